@@ -1,0 +1,201 @@
+"""The ``swarm`` command. Maps flags onto the config dataclasses and calls the runtime, nothing more."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from peers.config import DEFAULT_CACHE_DIR, LOCAL_HOST_MADDRS, StageServerConfig, SwarmConfig, parse_block_indices
+
+logger = logging.getLogger("peers.cli")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return args.func(args) or 0
+    except (ValueError, RuntimeError) as e:
+        logger.error("%s", e)
+        logger.debug("Details:", exc_info=True)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="swarm", description="Serve and run LLMs on a peer-to-peer swarm.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logs, including hivemind's")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    dht = sub.add_parser("dht", help="run a bootstrap peer and print the --initial_peers line to share")
+    _swarm_flags(dht, joining=False)
+    dht.set_defaults(func=_cmd_dht)
+
+    peer = sub.add_parser("peer", help="host some blocks of a model and serve them to the swarm")
+    peer.add_argument("model_dir", type=Path, help="Hugging Face model folder (config.json, *.safetensors)")
+    _swarm_flags(peer, joining=True)
+    blocks = peer.add_mutually_exclusive_group(required=True)
+    blocks.add_argument("--block_indices", type=parse_block_indices, help="serve blocks START:END, e.g. 0:4")
+    blocks.add_argument("--num_blocks", type=int, help="serve N blocks, where the swarm is weakest")
+    peer.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    peer.add_argument("--torch_dtype", default="float32", choices=["float32", "float16", "bfloat16", "auto"])
+    peer.add_argument("--public_name", default="", help="a name shown in `swarm status`")
+    peer.add_argument("--model_name", default=None, help="name of the model in the DHT (default: folder name)")
+    peer.add_argument("--max_batch_size", type=int, default=8, help="rows per forward (default 8)")
+    peer.add_argument("--request_timeout", type=float, default=60.0, help="deadline of one RPC, seconds")
+    peer.add_argument("--update_period", type=float, default=15.0, help="seconds between announcements")
+    peer.add_argument("--throughput", type=float, default=None, help="tokens/s per block; default: measure")
+    peer.add_argument("--cache_dir", type=Path, default=DEFAULT_CACHE_DIR, help="throughput cache folder")
+    peer.set_defaults(func=_cmd_peer)
+
+    status = sub.add_parser("status", help="who is online, which blocks they serve, what is missing")
+    status.add_argument("model", help="model folder or model name")
+    _swarm_flags(status, joining=True, new_swarm=False)
+    status.set_defaults(func=_cmd_status)
+
+    demo = sub.add_parser("demo", help="a whole swarm on this machine: bootstrap, 3 peers, a client")
+    demo.add_argument("--workdir", type=Path, default=DEFAULT_CACHE_DIR / "demo", help="models and logs")
+    demo.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def _swarm_flags(parser: argparse.ArgumentParser, *, joining: bool, new_swarm: bool = True) -> None:
+    if joining:
+        parser.add_argument("--initial_peers", nargs="+", default=[], help="multiaddrs printed by `swarm dht`")
+    if joining and new_swarm:
+        parser.add_argument("--new_swarm", action="store_true", help="start a new swarm (no --initial_peers)")
+    parser.add_argument(
+        "--host_maddrs", nargs="+", default=list(LOCAL_HOST_MADDRS),
+        help="where to listen (default: loopback only); e.g. /ip4/0.0.0.0/tcp/31337 to accept other machines",
+    )
+    parser.add_argument("--announce_maddrs", nargs="+", default=[], help="public addresses to announce")
+    parser.add_argument("--identity_path", type=Path, default=None, help="key file that fixes this peer id")
+
+
+def _swarm_config(args: argparse.Namespace) -> SwarmConfig:
+    return SwarmConfig(
+        initial_peers=tuple(getattr(args, "initial_peers", ())),
+        host_maddrs=tuple(args.host_maddrs),
+        announce_maddrs=tuple(args.announce_maddrs),
+        identity_path=args.identity_path,
+        new_swarm=getattr(args, "new_swarm", False),
+    )
+
+
+def _cmd_dht(args: argparse.Namespace) -> int:
+    from swarm.discovery import start_node, visible_maddrs
+
+    swarm = _swarm_config(args)
+
+    async def run(stop: asyncio.Event) -> None:
+        node = await start_node(
+            host_maddrs=swarm.host_maddrs, announce_maddrs=swarm.announce_maddrs,
+            identity_path=str(swarm.identity_path) if swarm.identity_path else None,
+        )
+        try:
+            maddrs = await visible_maddrs(node)
+            print(f"To connect other peers to this one, use --initial_peers {' '.join(maddrs)}", flush=True)
+            await stop.wait()
+        finally:
+            await node.shutdown()
+
+    _run_until_signal(run)
+    return 0
+
+
+def _cmd_peer(args: argparse.Namespace) -> int:
+    from peers.server import StageServer
+
+    config = StageServerConfig(
+        model_dir=args.model_dir, swarm=_swarm_config(args), model_name=args.model_name,
+        block_indices=args.block_indices, num_blocks=args.num_blocks, device=args.device,
+        torch_dtype=args.torch_dtype, public_name=args.public_name, max_batch_size=args.max_batch_size,
+        request_timeout=args.request_timeout, update_period=args.update_period, throughput=args.throughput,
+        cache_dir=args.cache_dir,
+    )
+    server = StageServer(config)
+    _run_until_signal(server.run)
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from peers.status import print_status
+    from swarm.discovery import fetch_records, start_node
+
+    swarm = _swarm_config(args)
+    if not swarm.initial_peers:
+        raise ValueError("pass --initial_peers: the line `swarm dht` printed")
+    model_path = Path(args.model)
+    total = None
+    if (model_path / "config.json").is_file():
+        from peers.model import ModelConfig
+
+        config = ModelConfig.from_dir(model_path)
+        name, total = config.name, config.num_layers
+
+    else:
+        name = args.model
+
+    async def snapshot():
+        node = await start_node(initial_peers=swarm.initial_peers, host_maddrs=swarm.host_maddrs, client_mode=True)
+        try:
+            return await asyncio.wait_for(fetch_records(node, name), swarm.dht_timeout)
+        finally:
+            await node.shutdown()
+
+    records = asyncio.run(snapshot())
+    total = total or max((r.end for r in records), default=0)
+    print_status(name, records, total)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from peers.demo import run_demo
+
+    return run_demo(args.workdir)
+
+
+def _run_until_signal(run) -> None:
+    """Run ``run(stop_event)`` on an event loop (uvloop if present) until SIGINT or SIGTERM."""
+
+    async def wrapper() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await run(stop)
+
+    try:
+        import uvloop
+
+        uvloop.run(wrapper())
+    except ImportError:
+        asyncio.run(wrapper())
+
+
+def _setup_logging(verbose: bool) -> None:
+    level = logging.DEBUG if verbose else logging.INFO
+    if sys.stderr.isatty():
+        from rich.logging import RichHandler
+
+        handler: logging.Handler = RichHandler(show_path=False, log_time_format="%H:%M:%S")
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    else:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    for name in ("peers", "swarm", "privacy"):
+        lg = logging.getLogger(name)
+        lg.handlers[:] = [handler]
+        lg.setLevel(level)
+        lg.propagate = False
+    logging.getLogger("hivemind").setLevel(logging.DEBUG if verbose else logging.WARNING)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

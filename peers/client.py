@@ -1,0 +1,181 @@
+"""``SwarmClient``: embeddings and head run here; the blocks run on a chain of peers found in the DHT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+import torch
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
+
+from peers.aio import BackgroundLoop
+from peers.config import DTYPES, ClientConfig, SwarmConfig
+from peers.model import ModelConfig, load_client_parts
+from peers.protocol import (
+    ForwardReply,
+    ForwardRequest,
+    RequestError,
+    StageInfo,
+    StageService,
+    read_tensor_messages,
+    tensor_messages,
+)
+from swarm.discovery import fetch_records, start_node
+from swarm.keys import check_model_name
+from swarm.records import PeerRecord
+from swarm.routing import MissingBlocksError, Router
+
+logger = logging.getLogger(__name__)
+
+MAX_REPLY_BYTES = 1 << 30
+
+
+class SwarmClient:
+    """Runs a model whose blocks are served by the swarm.
+
+    ``forward(input_ids)`` returns the same logits as the whole model in one process: token ids and logits
+    never leave this machine; only hidden states travel to the peers.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        initial_peers: tuple[str, ...] | list[str] = (),
+        config: ClientConfig | None = None,
+    ) -> None:
+        if config is None:
+            config = ClientConfig(swarm=SwarmConfig(initial_peers=tuple(initial_peers)))
+        elif initial_peers:
+            raise ValueError("pass initial_peers either directly or in config.swarm, not both")
+        if not config.swarm.initial_peers:
+            raise ValueError("SwarmClient needs initial_peers: the line `swarm dht` printed")
+        self.config, self.model_dir = config, Path(model_dir)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.model_name = check_model_name(config.model_name or self.model_config.name)
+        self.device, self.dtype = torch.device(config.device), DTYPES[config.torch_dtype]
+        self.embedding, self.head = load_client_parts(self.model_dir, device=self.device, dtype=self.dtype)
+        self._loop = BackgroundLoop()
+        try:
+            self.node = self._loop.run(
+                start_node(
+                    initial_peers=config.swarm.initial_peers,
+                    host_maddrs=config.swarm.host_maddrs,
+                    identity_path=str(config.swarm.identity_path) if config.swarm.identity_path else None,
+                    client_mode=True,
+                ),
+                timeout=60,
+            )
+        except BaseException:
+            self._loop.close()
+            raise
+        self.router = Router(
+            self._fetch,
+            model=self.model_name,
+            refresh_period=config.refresh_period,
+            ban_time=config.ban_time,
+            max_ban_time=config.max_ban_time,
+        )
+
+    # ---- synchronous API -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``[batch, seq, vocab]`` for ``input_ids`` ``[batch, seq]``, computed through the swarm."""
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {list(input_ids.shape)}")
+        input_ids = input_ids.to(self.device)
+        positions = torch.arange(input_ids.shape[1], device=self.device).expand_as(input_ids)
+        hidden = self.embedding(input_ids, positions)
+        hidden = self.run_blocks(hidden)
+        return self.head(hidden.to(self.device, self.dtype))
+
+    def run_blocks(self, hidden: torch.Tensor, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Hidden states through blocks ``[start, end)`` of the swarm (all blocks by default)."""
+        end = self.model_config.num_layers if end is None else end
+        return self._loop.run(self.run_blocks_async(hidden, start, end))
+
+    def records(self) -> list[PeerRecord]:
+        """A fresh snapshot of the swarm's peer records."""
+        return self._loop.run(self._fetch())
+
+    def info(self, peer_id: str) -> StageInfo:
+        return self._loop.run(self._info(peer_id))
+
+    def close(self) -> None:
+        if self._loop.loop.is_closed():
+            return
+        try:
+            self._loop.run(self.node.shutdown(), timeout=15)
+        except Exception as e:
+            logger.debug("Client shutdown: %s", e, exc_info=True)
+        self._loop.close()
+
+    def __enter__(self) -> SwarmClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- async internals -------------------------------------------------------------------------
+    async def run_blocks_async(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Through a chain of peers; a failing peer is banned and its span re-routed (bounded retries)."""
+        position, failures = start, 0
+        hidden = hidden.detach().to("cpu", self.dtype)
+        while position < end:
+            chain = await self.router.make_chain(position, end)
+            for hop in chain:
+                t0 = time.perf_counter()
+                try:
+                    hidden = await self.call_forward(hop.peer_id, hidden, hop.start, hop.end)
+                except (RequestError, MissingBlocksError):
+                    raise
+                except Exception as e:
+                    failures += 1
+                    self.router.on_failure(hop.peer_id, e)
+                    if failures > self.config.max_retries:
+                        raise RuntimeError(
+                            f"blocks {hop.start}:{hop.end} failed {failures} times (last: {e}); "
+                            f"check `swarm status` and that peers serving them are reachable"
+                        ) from e
+                    await asyncio.sleep(min(0.1 * 2**failures, 2.0))
+                    break
+                self.router.on_success(hop.peer_id, rtt=time.perf_counter() - t0)
+                position = hop.end
+        return hidden
+
+    async def call_forward(self, peer_id: str, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """One ``rpc_forward`` to ``peer_id``; raises ``RequestError`` if the peer refuses the request."""
+        stub = StageService.get_stub(self.node.p2p, PeerID.from_base58(peer_id))
+        metadata = ForwardRequest(start=start, end=end).to_bytes()
+
+        async def requests():
+            for message in tensor_messages(hidden, metadata):
+                yield message
+
+        async def exchange() -> torch.Tensor:
+            stream = await stub.rpc_forward(requests())
+            first = await anext(stream)
+            reply = ForwardReply.from_bytes(first.metadata)
+            if reply.error:
+                raise RequestError(f"peer ...{peer_id[-6:]} refused blocks {start}:{end}: {reply.error}")
+
+            async def rest():
+                yield first
+                async for message in stream:
+                    yield message
+
+            _, output = await read_tensor_messages(rest(), MAX_REPLY_BYTES)
+            return output
+
+        return await asyncio.wait_for(exchange(), timeout=self.config.request_timeout)
+
+    async def _info(self, peer_id: str) -> StageInfo:
+        stub = StageService.get_stub(self.node.p2p, PeerID.from_base58(peer_id))
+        reply = await stub.rpc_info(runtime_pb2.ExpertUID(), timeout=self.config.request_timeout)
+        return StageInfo.from_bytes(reply.serialized_info)
+
+    async def _fetch(self) -> list[PeerRecord]:
+        return await asyncio.wait_for(fetch_records(self.node, self.model_name), self.config.swarm.dht_timeout)

@@ -1,0 +1,107 @@
+"""Config dataclasses of the peer runtime, checked when built. CLIs only map flags onto these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "fusionswarm"
+LOCAL_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+
+
+def parse_block_indices(text: str) -> tuple[int, int]:
+    """``"2:6"`` -> ``(2, 6)``."""
+    try:
+        start, end = (int(x) for x in text.split(":"))
+    except ValueError as e:
+        raise ValueError(f"--block_indices must look like START:END (e.g. 0:4), got {text!r}") from e
+    if not 0 <= start < end:
+        raise ValueError(f"--block_indices {text!r}: need 0 <= START < END")
+    return start, end
+
+
+@dataclass(kw_only=True)
+class SwarmConfig:
+    """How to reach the swarm: bootstrap addresses and this node's listen/announce addresses."""
+
+    initial_peers: tuple[str, ...] = ()  # full multiaddrs /ip4/.../tcp/PORT/p2p/PEER_ID printed by `swarm dht`
+    host_maddrs: tuple[str, ...] = LOCAL_HOST_MADDRS  # where to listen; /ip4/0.0.0.0/tcp/PORT to accept others
+    announce_maddrs: tuple[str, ...] = ()  # public addresses to announce (behind NAT / port forwarding)
+    identity_path: Path | None = None  # libp2p key file: keeps the peer id across restarts
+    new_swarm: bool = False  # start a new swarm instead of joining one
+    dht_timeout: float = 10.0  # seconds for one DHT lookup or store
+
+    def __post_init__(self) -> None:
+        self.initial_peers = tuple(self.initial_peers)
+        for maddr in self.initial_peers:
+            if "/p2p/" not in maddr:
+                raise ValueError(
+                    f"initial peer {maddr!r} lacks /p2p/PEER_ID; copy the whole --initial_peers line `swarm dht` printed"
+                )
+        if self.new_swarm and self.initial_peers:
+            raise ValueError("use either --new_swarm or --initial_peers, not both")
+        if self.dht_timeout <= 0:
+            raise ValueError("dht_timeout must be positive")
+
+
+@dataclass(kw_only=True)
+class StageServerConfig:
+    """One stage peer: which model and blocks, where, and its limits."""
+
+    model_dir: Path
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    model_name: str | None = None  # DHT name of the model; default: the folder's name
+    block_indices: tuple[int, int] | None = None  # serve exactly these blocks [start, end)
+    num_blocks: int | None = None  # or serve this many, chosen where the swarm is weakest
+    device: str = "cpu"
+    torch_dtype: str = "float32"  # float32 | float16 | bfloat16 | auto (the checkpoint's)
+    public_name: str = ""
+    max_batch_size: int = 8  # rows per forward
+    max_request_bytes: int = 64 << 20  # larger requests are refused
+    request_timeout: float = 60.0  # seconds: deadline of one RPC on this peer
+    update_period: float = 15.0  # seconds between announcements; a record expires after ~2 periods
+    throughput: float | None = None  # tokens/s per block; None: measure once and cache
+    cache_dir: Path = DEFAULT_CACHE_DIR
+
+    def __post_init__(self) -> None:
+        self.model_dir = Path(self.model_dir)
+        if not (self.model_dir / "config.json").is_file():
+            raise ValueError(f"{self.model_dir} has no config.json: pass a Hugging Face model folder")
+        if (self.block_indices is None) == (self.num_blocks is None):
+            raise ValueError("pass exactly one of --block_indices START:END or --num_blocks N")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("--num_blocks must be >= 1")
+        if self.torch_dtype not in (*DTYPES, "auto"):
+            raise ValueError(f"--torch_dtype must be one of {[*DTYPES, 'auto']}, got {self.torch_dtype!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"--device {self.device}: CUDA is not available on this machine; use --device cpu")
+        if not self.swarm.new_swarm and not self.swarm.initial_peers:
+            raise ValueError("pass --initial_peers (the line `swarm dht` printed) or --new_swarm to start a swarm")
+        for name in ("max_batch_size", "max_request_bytes", "request_timeout", "update_period"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        self.cache_dir = Path(self.cache_dir)
+
+
+@dataclass(kw_only=True)
+class ClientConfig:
+    """A client of the swarm: embeddings and head run locally, blocks on peers."""
+
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    model_name: str | None = None
+    device: str = "cpu"
+    torch_dtype: str = "float32"
+    request_timeout: float = 30.0  # seconds per RPC
+    max_retries: int = 5  # re-routes of one call before giving up
+    refresh_period: float = 5.0  # seconds between DHT snapshots
+    ban_time: float = 2.0  # first ban of a failing peer, doubled on each failure
+    max_ban_time: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.torch_dtype not in DTYPES:
+            raise ValueError(f"torch_dtype must be one of {list(DTYPES)}")
+        if self.request_timeout <= 0 or self.max_retries < 0:
+            raise ValueError("request_timeout must be positive and max_retries >= 0")

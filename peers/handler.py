@@ -1,0 +1,83 @@
+"""``StageHandler``: each RPC parses, validates, computes and serializes; nothing else."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator  # typing's, not collections.abc's: hivemind's servicer reads it
+
+import torch
+from hivemind.p2p import P2PContext
+from hivemind.proto import runtime_pb2
+
+from peers.backend import StageBackend
+from peers.protocol import (
+    ForwardReply,
+    ForwardRequest,
+    RequestError,
+    StageInfo,
+    StageService,
+    read_tensor_messages,
+    tensor_messages,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class StageHandler(StageService):
+    """Serves one ``StageBackend`` over hivemind P2P. Bad requests get a reply that says what is wrong."""
+
+    def __init__(self, backend: StageBackend, info: StageInfo, *, request_timeout: float) -> None:
+        self.backend, self.info, self.request_timeout = backend, info, request_timeout
+
+    async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        return runtime_pb2.ExpertInfo(serialized_info=self.info.to_bytes())
+
+    async def rpc_forward(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        t0, blocks = time.perf_counter(), "?"
+        try:
+            output, blocks = await asyncio.wait_for(self._forward(requests), timeout=self.request_timeout)
+        except (RequestError, ValueError) as e:
+            logger.info("rpc_forward(blocks=%s, peer=...%s) refused: %s", blocks, _short(context), e)
+            yield runtime_pb2.ExpertResponse(metadata=ForwardReply(error=str(e)).to_bytes())
+            return
+        except asyncio.TimeoutError:
+            message = f"deadline of {self.request_timeout:.1f} s exceeded on this peer; retry or use another peer"
+            logger.info("rpc_forward(peer=...%s) timed out", _short(context))
+            yield runtime_pb2.ExpertResponse(metadata=ForwardReply(error=message).to_bytes())
+            return
+        logger.debug("rpc_forward(blocks=%s, peer=...%s) %.1f ms", blocks, _short(context), 1e3 * (time.perf_counter() - t0))
+        for message in tensor_messages(output, ForwardReply().to_bytes(), runtime_pb2.ExpertResponse):
+            yield message
+
+    async def _forward(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> tuple[torch.Tensor, str]:
+        metadata, hidden = await read_tensor_messages(requests, self.info.max_request_bytes)
+        request = ForwardRequest.from_bytes(metadata)
+        self._check_blocks(request.start, request.end)
+        self._check_hidden(hidden)
+        return await self.backend.forward(hidden, request.start, request.end), f"{request.start}:{request.end}"
+
+    def _check_blocks(self, start: int, end: int) -> None:
+        if not self.info.start <= start < end <= self.info.end:
+            raise RequestError(
+                f"this peer serves blocks {self.info.start}:{self.info.end}, not {start}:{end}; "
+                f"refresh your view of the swarm and route that span elsewhere"
+            )
+
+    def _check_hidden(self, hidden: torch.Tensor) -> None:
+        info = self.info
+        if hidden.ndim != 3 or hidden.shape[-1] != info.hidden_size:
+            raise RequestError(f"hidden states must be [batch, seq, {info.hidden_size}], got {list(hidden.shape)}")
+        if not 1 <= hidden.shape[0] <= info.max_batch_size:
+            raise RequestError(f"batch of {hidden.shape[0]} is above this peer's limit of {info.max_batch_size}")
+        if not 1 <= hidden.shape[1] <= info.max_seq_len:
+            raise RequestError(f"sequence of {hidden.shape[1]} tokens; this model takes 1..{info.max_seq_len}")
+        if not torch.isfinite(hidden).all():
+            raise RequestError("hidden states contain NaN or infinite values")
+
+
+def _short(context: P2PContext) -> str:
+    return str(context.remote_id)[-6:]

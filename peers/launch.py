@@ -1,0 +1,137 @@
+"""Start and stop real ``swarm`` processes on this machine: used by the demo, the tests and the benchmarks.
+
+Each process runs in its own session (process group), so that stopping it also stops the p2p daemon it
+spawned; every process is tracked by PID and stopped by ``LocalSwarm.close()``, also after a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+READY_PEER = re.compile(r"Serving blocks (\d+):(\d+) of \S+ as peer (\w+)")
+READY_DHT = re.compile(r"--initial_peers (.+)$", re.MULTILINE)
+
+
+class SwarmProcess:
+    """One ``swarm ...`` subprocess whose output goes to a log file."""
+
+    def __init__(self, args: Sequence[str], log_path: Path, name: str) -> None:
+        self.name, self.log_path = name, Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "peers.cli", *args],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        self.pid = self.popen.pid
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def wait_for(self, pattern: re.Pattern, timeout: float) -> re.Match:
+        """Wait until the log matches ``pattern``; raise with the log's tail if the process dies or stalls."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = pattern.search(self.log())
+            if match:
+                return match
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with code {self.popen.returncode}:\n{self._tail()}")
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name} was not ready after {timeout:.0f} s:\n{self._tail()}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the whole process group (the peer and its p2p daemon)."""
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (a clean leave), then SIGKILL for whatever is left of the group."""
+        if self.popen.poll() is None:
+            self.kill(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill(signal.SIGKILL)
+        try:
+            self.popen.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def _tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
+
+
+class LocalSwarm:
+    """A bootstrap peer plus stage peers on 127.0.0.1; a context manager that stops all of them."""
+
+    def __init__(self, workdir: Path, *, update_period: float = 2.0) -> None:
+        self.workdir = Path(workdir)
+        self.update_period = update_period
+        self.processes: list[SwarmProcess] = []
+        self.initial_peers: list[str] = []
+
+    def start_dht(self, timeout: float = 60.0) -> list[str]:
+        proc = self._spawn(["dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"], "dht")
+        line = proc.wait_for(READY_DHT, timeout).group(1)
+        self.initial_peers = [m for m in line.split() if m.startswith("/ip4/127.0.0.1/")] or line.split()
+        return self.initial_peers
+
+    def start_peer(
+        self,
+        model_dir: Path,
+        *,
+        block_indices: str | None = None,
+        num_blocks: int | None = None,
+        extra: Sequence[str] = (),
+        name: str | None = None,
+        wait: bool = True,
+        timeout: float = 120.0,
+    ) -> SwarmProcess:
+        if not self.initial_peers:
+            raise RuntimeError("call start_dht() first")
+        blocks = ["--block_indices", block_indices] if block_indices else ["--num_blocks", str(num_blocks)]
+        args = [
+            "peer", str(model_dir), "--initial_peers", *self.initial_peers, *blocks,
+            "--update_period", str(self.update_period), "--cache_dir", str(self.workdir / "cache"), *extra,
+        ]
+        proc = self._spawn(args, name or f"peer{len(self.processes)}")
+        if wait:
+            self.wait_ready(proc, timeout)
+        return proc
+
+    @staticmethod
+    def wait_ready(proc: SwarmProcess, timeout: float = 120.0) -> tuple[int, int, str]:
+        match = proc.wait_for(READY_PEER, timeout)
+        proc.blocks = (int(match.group(1)), int(match.group(2)))
+        proc.peer_id = match.group(3)
+        return int(match.group(1)), int(match.group(2)), match.group(3)
+
+    def close(self) -> None:
+        for proc in reversed(self.processes):
+            proc.stop()
+        self.processes.clear()
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _spawn(self, args: list[str], name: str) -> SwarmProcess:
+        proc = SwarmProcess(args, self.workdir / "logs" / f"{name}.log", name)
+        self.processes.append(proc)
+        return proc

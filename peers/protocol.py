@@ -1,0 +1,163 @@
+"""Messages and RPC signatures shared by the stage server and its clients.
+
+Each RPC is declared once, here, on ``StageService``; ``peers.handler.StageHandler`` implements it and
+clients call ``StageService.get_stub(p2p, peer_id)``. Metadata are typed dataclasses packed with msgpack
+and checked field by field on arrival; tensors travel as hivemind-serialized chunks of a stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any, AsyncIterator, ClassVar, TypeVar, get_type_hints  # typing's: hivemind reads it
+
+import msgpack
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.proto import runtime_pb2
+from hivemind.utils.streaming import split_for_streaming
+
+CHUNK_BYTES = 1 << 20  # tensors travel in 1 MiB messages: big enough for the stream rate, small for memory
+WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+M = TypeVar("M", bound="Message")
+
+
+class Message:
+    """A dataclass that packs to msgpack bytes and checks every field's type when unpacked."""
+
+    _types: ClassVar[dict[str, Any]] = {}
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
+
+    @classmethod
+    def from_bytes(cls: type[M], data: bytes) -> M:
+        try:
+            raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        except Exception as e:
+            raise ValueError(f"malformed {cls.__name__}: {e}") from e
+        if not isinstance(raw, dict):
+            raise ValueError(f"malformed {cls.__name__}: expected a map")
+        hints = get_type_hints(cls)
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in raw:
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                    raise ValueError(f"malformed {cls.__name__}: missing field {f.name!r}")
+                continue
+            value, expected = raw[f.name], hints[f.name]
+            if expected is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+                raise ValueError(f"malformed {cls.__name__}: field {f.name!r} must be {expected.__name__}")
+            kwargs[f.name] = value
+        return cls(**kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardRequest(Message):
+    """Run hidden states through blocks ``[start, end)`` of the peer (no cache)."""
+
+    start: int
+    end: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardReply(Message):
+    """Empty on success; ``error`` explains why a request was refused."""
+
+    error: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class StageInfo(Message):
+    """What ``rpc_info`` returns: enough for a client to form valid requests."""
+
+    peer_id: str
+    model: str
+    start: int
+    end: int
+    hidden_size: int
+    dtype: str
+    max_batch_size: int
+    max_seq_len: int
+    max_request_bytes: int
+    throughput: float
+    version: str
+
+
+class RequestError(ValueError):
+    """A peer refused a request; the message says why and what to change."""
+
+
+class StageService(ServicerBase):
+    """The RPCs of a stage peer. Handle names are fixed so that any subclass serves the same protocol."""
+
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        name = f"fusionswarm.StageService.{method_name}"
+        return name if namespace is None else f"{namespace}::{name}"
+
+    async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        raise NotImplementedError
+
+    async def rpc_forward(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError
+        yield  # pragma: no cover  (makes this an async generator)
+
+
+def tensor_messages(
+    tensor: torch.Tensor, metadata: bytes, cls: type = runtime_pb2.ExpertRequest
+) -> Iterator[Any]:
+    """Serialize ``tensor`` into stream messages; the first one carries ``metadata``."""
+    serialized = serialize_torch_tensor(tensor.detach().cpu())
+    for i, chunk in enumerate(split_for_streaming(serialized, CHUNK_BYTES)):
+        yield cls(tensors=[chunk], metadata=metadata if i == 0 else b"")
+
+
+async def read_tensor_messages(stream: AsyncIterator[Any], max_bytes: int) -> tuple[bytes, torch.Tensor]:
+    """Collect one tensor (and the first message's metadata) from a stream of chunked messages.
+
+    Raises ``RequestError`` if the stream ends early, the chunks are malformed or exceed ``max_bytes``.
+    """
+    metadata, parts, expected, received = b"", [], None, 0
+    async for message in stream:
+        if expected is None:
+            metadata = message.metadata
+            if len(message.tensors) != 1:
+                raise RequestError(f"expected one tensor per message, got {len(message.tensors)}")
+            expected = max(1, message.tensors[0].chunks)
+        elif len(message.tensors) != 1:
+            raise RequestError("malformed stream: a chunk message must carry exactly one tensor part")
+        received += len(message.tensors[0].buffer) + len(message.metadata)
+        if received > max_bytes:
+            raise RequestError(f"request exceeds this peer's limit of {max_bytes} bytes; send smaller batches")
+        parts.append(message.tensors[0])
+        if len(parts) == expected:
+            break
+    if expected is None or len(parts) != expected:
+        raise RequestError(f"stream ended after {len(parts)} of {expected or '?'} chunks")
+    serialized = runtime_pb2.Tensor()
+    serialized.CopyFrom(parts[0])
+    serialized.buffer = b"".join(p.buffer for p in parts)
+    return metadata, decode_tensor(serialized)
+
+
+def decode_tensor(serialized: runtime_pb2.Tensor) -> torch.Tensor:
+    """Deserialize a tensor, turning any failure into a ``RequestError``."""
+    if serialized.dtype not in WIRE_DTYPES:
+        raise RequestError(f"dtype {serialized.dtype!r} is not accepted; send one of {sorted(WIRE_DTYPES)}")
+    numel = math.prod(serialized.size)
+    itemsize = torch.empty((), dtype=WIRE_DTYPES[serialized.dtype]).element_size()
+    sizes = {numel * itemsize, numel * 4}  # hivemind's legacy bfloat16 mode sends fp32
+    if serialized.compression == runtime_pb2.CompressionType.NONE and len(serialized.buffer) not in sizes:
+        raise RequestError(f"tensor of shape {tuple(serialized.size)} does not match its {len(serialized.buffer)} bytes")
+    try:
+        return deserialize_torch_tensor(serialized)
+    except Exception as e:
+        raise RequestError(f"malformed tensor: {e}") from e

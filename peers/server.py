@@ -1,0 +1,135 @@
+"""``StageServer``, the composition root of a peer: DHT node, blocks, handler, announcer."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import torch
+from hivemind.dht.node import DHTNode
+
+import peers
+from peers.backend import StageBackend
+from peers.config import DTYPES, StageServerConfig
+from peers.handler import StageHandler
+from peers.model import ModelConfig, load_blocks
+from peers.protocol import StageInfo
+from swarm.announcer import Announcer
+from swarm.block_selection import choose_blocks
+from swarm.discovery import fetch_records, start_node, visible_maddrs
+from swarm.keys import check_model_name
+from swarm.measure import cached_throughput, time_per_call
+from swarm.records import PeerRecord, PeerState
+
+logger = logging.getLogger(__name__)
+
+MEASURE_TOKENS = 128  # tokens per measured forward of one block
+
+
+class StageServer:
+    """Loads a contiguous range of blocks, measures them, announces itself and serves until stopped."""
+
+    def __init__(self, config: StageServerConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model_dir)
+        self.model_name = check_model_name(config.model_name or self.model_config.name)
+        dtype_name = self.model_config.torch_dtype if config.torch_dtype == "auto" else config.torch_dtype
+        self.dtype = DTYPES.get(dtype_name, torch.float32)
+        self.device = torch.device(config.device)
+        if config.block_indices is not None and config.block_indices[1] > self.model_config.num_layers:
+            raise ValueError(
+                f"--block_indices {config.block_indices[0]}:{config.block_indices[1]} is beyond the model's "
+                f"{self.model_config.num_layers} blocks"
+            )
+        if config.num_blocks is not None and config.num_blocks > self.model_config.num_layers:
+            raise ValueError(f"--num_blocks {config.num_blocks} exceeds the model's {self.model_config.num_layers}")
+        self.node: DHTNode | None = None
+        self.record: PeerRecord | None = None
+        self.ready = asyncio.Event()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until ``stop`` is set, then leave cleanly (announce offline, stop the daemon)."""
+        swarm = self.config.swarm
+        self.node = await start_node(
+            initial_peers=swarm.initial_peers,
+            host_maddrs=swarm.host_maddrs,
+            announce_maddrs=swarm.announce_maddrs,
+            identity_path=str(swarm.identity_path) if swarm.identity_path else None,
+        )
+        announcer = backend = handler = None
+        try:
+            peer_id = str(self.node.peer_id)
+            start, end = await self._choose_blocks()
+            announcer = Announcer(self.node, self._make_record(peer_id, start, end), period=self.config.update_period)
+            await announcer.start()  # JOINING: other joining peers see our blocks and choose others
+            logger.info("Loading blocks %d:%d of %s", start, end, self.model_name)
+            blocks = load_blocks(self.config.model_dir, start, end, device=self.device, dtype=self.dtype)
+            throughput = self.config.throughput or self._measure(blocks)
+            backend = StageBackend(
+                blocks, start=start, device=self.device, dtype=self.dtype, max_batch_size=self.config.max_batch_size
+            )
+            await backend.launch()
+            handler = StageHandler(backend, self._make_info(peer_id, start, end, throughput),
+                                   request_timeout=self.config.request_timeout)
+            await handler.add_p2p_handlers(self.node.p2p)
+            announcer.update(state=PeerState.ONLINE, throughput=throughput)
+            self.record = announcer.record
+            logger.info(
+                "Serving blocks %d:%d of %s as peer %s (%.0f tokens/s per block); addresses: %s",
+                start, end, self.model_name, peer_id, throughput, " ".join(await visible_maddrs(self.node)),
+            )
+            self.ready.set()
+            await stop.wait()
+            logger.info("Shutting down: announcing offline")
+        finally:
+            if announcer is not None:
+                await announcer.stop(PeerState.OFFLINE)
+            if handler is not None:
+                await handler.remove_p2p_handlers(self.node.p2p)
+            if backend is not None:
+                await backend.shutdown()
+            await self.node.shutdown()
+            logger.info("Stopped")
+
+    async def _choose_blocks(self) -> tuple[int, int]:
+        if self.config.block_indices is not None:
+            return self.config.block_indices
+        records = await asyncio.wait_for(fetch_records(self.node, self.model_name), self.config.swarm.dht_timeout)
+        start, end = choose_blocks(records, self.model_config.num_layers, self.config.num_blocks)
+        logger.info("Chose blocks %d:%d, the least served in a swarm of %d peers", start, end, len(records))
+        return start, end
+
+    def _measure(self, blocks) -> float:
+        cfg = self.model_config
+        key = f"{cfg.family}-h{cfg.hidden_size}-i{cfg.intermediate_size}-kv{cfg.num_kv_heads}-{self.device}-{self.dtype}"
+
+        def measure() -> float:
+            logger.info("Measuring compute throughput of one block (cached in %s)", self.config.cache_dir)
+            hidden = torch.randn(1, MEASURE_TOKENS, cfg.hidden_size, device=self.device, dtype=self.dtype)
+            positions = torch.arange(MEASURE_TOKENS, device=self.device)[None]
+            with torch.inference_mode():
+                seconds = time_per_call(lambda: blocks[0](hidden, positions))
+            return MEASURE_TOKENS / seconds
+
+        t0 = time.perf_counter()
+        value = cached_throughput(self.config.cache_dir, key, measure)
+        logger.debug("Throughput %.0f tokens/s per block (%.2f s)", value, time.perf_counter() - t0)
+        return value
+
+    def _make_record(self, peer_id: str, start: int, end: int) -> PeerRecord:
+        return PeerRecord(
+            peer_id=peer_id, model=self.model_name, start=start, end=end, state=PeerState.JOINING,
+            throughput=0.0, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+            public_name=self.config.public_name, version=peers.__version__,
+            addresses=tuple(self.config.swarm.announce_maddrs), max_batch_size=self.config.max_batch_size,
+        )
+
+    def _make_info(self, peer_id: str, start: int, end: int, throughput: float) -> StageInfo:
+        cfg = self.model_config
+        return StageInfo(
+            peer_id=peer_id, model=self.model_name, start=start, end=end, hidden_size=cfg.hidden_size,
+            dtype=str(self.dtype).removeprefix("torch."), max_batch_size=self.config.max_batch_size,
+            max_seq_len=cfg.max_position_embeddings, max_request_bytes=self.config.max_request_bytes,
+            throughput=float(throughput), version=peers.__version__,
+        )

@@ -1,0 +1,12 @@
+"""swarm: knows peers and plans; contains no model code. Depends only on ``privacy``.
+
+In data-flow order:
+
+- ``records.py``: ``PeerRecord`` and ``PeerState``, typed and validated, with ``to_wire()``/``from_wire()``.
+- ``keys.py``: every DHT key and subkey format.
+- ``discovery.py``: ``announce()`` and ``fetch_records()``, the only code that talks to the DHT.
+- ``announcer.py``: the heartbeat that re-announces a peer's record before it expires.
+- ``measure.py``: the compute benchmark of one block, cached on disk.
+- ``block_selection.py``: which blocks a joining peer should serve (the least-served window). Pure.
+- ``routing.py``: ``make_chain()`` picks a chain of peers covering a block range, and ``Router`` owns bans.
+"""

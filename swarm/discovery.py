@@ -1,0 +1,77 @@
+"""The only code that reads or writes the DHT: announce a record, fetch a snapshot of the swarm."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from hivemind.dht.node import DHTNode
+from hivemind.utils import get_dht_time
+
+from swarm.keys import peers_key
+from swarm.records import PeerRecord
+
+logger = logging.getLogger(__name__)
+
+
+async def announce(node: DHTNode, record: PeerRecord, ttl: float) -> bool:
+    """Publish ``record`` under its model's key, with the peer id as subkey, valid for ``ttl`` seconds."""
+    return await node.store(
+        peers_key(record.model), subkey=record.peer_id, value=record.to_wire(), expiration_time=get_dht_time() + ttl
+    )
+
+
+async def fetch_records(node: DHTNode, model: str) -> list[PeerRecord]:
+    """A snapshot of every unexpired, valid record of ``model``, sorted by peer id.
+
+    A malformed record, or one stored under another peer's subkey, is dropped and logged; it never raises.
+    """
+    found = await node.get(peers_key(model), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    records = []
+    for subkey, item in found.value.items():
+        try:
+            record = PeerRecord.from_wire(getattr(item, "value", None))
+            if record.peer_id != subkey:
+                raise ValueError(f"record of {record.peer_id} stored under subkey {subkey!r}")
+            if record.model != model:
+                raise ValueError(f"record for model {record.model!r} under key of {model!r}")
+        except (ValueError, TypeError) as e:
+            logger.warning("Dropped an invalid record under %s: %s", peers_key(model), e)
+            continue
+        records.append(record)
+    return sorted(records, key=lambda r: r.peer_id)
+
+
+async def start_node(
+    *,
+    initial_peers: Sequence[str] = (),
+    host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
+    announce_maddrs: Sequence[str] = (),
+    identity_path: str | None = None,
+    client_mode: bool = False,
+    wait_timeout: float = 5.0,
+) -> DHTNode:
+    """Start a DHT node with its own p2p daemon, joined to ``initial_peers`` (none: a new swarm)."""
+    try:
+        return await DHTNode.create(
+            initial_peers=list(initial_peers),
+            host_maddrs=list(host_maddrs),
+            announce_maddrs=list(announce_maddrs) or None,
+            identity_path=identity_path,
+            client_mode=client_mode,
+            wait_timeout=wait_timeout,
+        )
+    except Exception as e:
+        hint = (
+            "check that the --initial_peers line is complete and that the bootstrap peer is running"
+            if initial_peers
+            else "check --host_maddrs (e.g. /ip4/127.0.0.1/tcp/0) and that the port is free"
+        )
+        raise RuntimeError(f"could not start or join the DHT ({e}); {hint}") from e
+
+
+async def visible_maddrs(node: DHTNode) -> list[str]:
+    """Full multiaddrs (with /p2p/PEER_ID) that other peers can pass as --initial_peers."""
+    return [str(m) for m in await node.get_visible_maddrs()]

@@ -1,0 +1,20 @@
+"""Every DHT key and subkey format of fusionswarm lives here."""
+
+from __future__ import annotations
+
+import re
+
+_MODEL_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+KEY_PREFIX = "fusionswarm.v1"
+
+
+def check_model_name(model: str) -> str:
+    """Model names become DHT keys: keep them to a safe alphabet."""
+    if not _MODEL_RE.match(model):
+        raise ValueError(f"model name {model!r} must match {_MODEL_RE.pattern} (rename the folder or pass --model_name)")
+    return model
+
+
+def peers_key(model: str) -> str:
+    """The key under which every peer of ``model`` announces its record; the subkey is the peer id."""
+    return f"{KEY_PREFIX}.{check_model_name(model)}.peers"
