@@ -42,13 +42,16 @@ class StageHandler(StageService):
             output, blocks = await asyncio.wait_for(self._forward(requests), timeout=self.request_timeout)
         except (RequestError, ValueError) as e:
             logger.info("rpc_forward(blocks=%s, peer=...%s) refused: %s", blocks, _short(context), e)
+            await _drain(requests)
             yield runtime_pb2.ExpertResponse(metadata=ForwardReply(error=str(e)).to_bytes())
             return
         except asyncio.TimeoutError:
             message = f"deadline of {self.request_timeout:.1f} s exceeded on this peer; retry or use another peer"
             logger.info("rpc_forward(peer=...%s) timed out", _short(context))
+            await _drain(requests)
             yield runtime_pb2.ExpertResponse(metadata=ForwardReply(error=message).to_bytes())
             return
+        await _drain(requests)
         logger.debug("rpc_forward(blocks=%s, peer=...%s) %.1f ms", blocks, _short(context), 1e3 * (time.perf_counter() - t0))
         for message in tensor_messages(output, ForwardReply().to_bytes(), runtime_pb2.ExpertResponse):
             yield message
@@ -77,6 +80,22 @@ class StageHandler(StageService):
             raise RequestError(f"sequence of {hidden.shape[1]} tokens; this model takes 1..{info.max_seq_len}")
         if not torch.isfinite(hidden).all():
             raise RequestError("hidden states contain NaN or infinite values")
+
+
+async def _drain(requests: AsyncIterator, timeout: float = 5.0) -> None:
+    """Read what is left of a request stream (up to its end marker) before replying.
+
+    Closing a stream while the caller still writes makes the caller's socket fail, and asyncio then drops
+    the reply that was already buffered for it; so a handler lets the caller finish first.
+    """
+    async def consume() -> None:
+        async for _ in requests:
+            pass
+
+    try:
+        await asyncio.wait_for(consume(), timeout)
+    except (asyncio.TimeoutError, Exception) as e:
+        logger.debug("Could not drain a request stream: %s", e)
 
 
 def _short(context: P2PContext) -> str:

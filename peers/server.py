@@ -84,12 +84,12 @@ class StageServer:
             logger.info("Shutting down: announcing offline")
         finally:
             if announcer is not None:
-                await announcer.stop(PeerState.OFFLINE)
+                await _quietly(announcer.stop(PeerState.OFFLINE), "announce offline")
             if handler is not None:
-                await handler.remove_p2p_handlers(self.node.p2p)
+                await _quietly(handler.remove_p2p_handlers(self.node.p2p), "remove handlers")
             if backend is not None:
                 await backend.shutdown()
-            await self.node.shutdown()
+            await _quietly(self.node.shutdown(), "stop the DHT node")
             logger.info("Stopped")
 
     async def _choose_blocks(self) -> tuple[int, int]:
@@ -133,3 +133,12 @@ class StageServer:
             max_seq_len=cfg.max_position_embeddings, max_request_bytes=self.config.max_request_bytes,
             throughput=float(throughput), version=peers.__version__,
         )
+
+
+async def _quietly(coro, what: str) -> None:
+    """A shutdown step that may fail when the p2p daemon is already gone (Ctrl-C reaches it too)."""
+    try:
+        await asyncio.wait_for(coro, timeout=10)
+    except Exception as e:
+        logger.info("Could not %s (%s); the p2p daemon may have stopped first. Our record expires by itself.",
+                    what, type(e).__name__)

@@ -38,15 +38,13 @@ class Announcer:
         self._wake.set()
 
     async def stop(self, final_state: PeerState = PeerState.OFFLINE) -> None:
-        """Stop the heartbeat and announce ``final_state`` briefly, so others learn we left."""
+        """Stop the heartbeat and announce ``final_state`` (it expires like any record), so others learn we left."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self.record = dataclasses.replace(self.record, state=final_state)
-        try:
-            await asyncio.wait_for(announce(self.node, self.record, ttl=self.period), timeout=self.period)
-        except Exception as e:  # leaving anyway: the record will expire on its own
-            logger.debug("Final announcement failed: %s", e, exc_info=True)
+        # the DHT keeps the value that expires last, so the final record must outlive the previous one
+        await asyncio.wait_for(announce(self.node, self.record, ttl=self.ttl), timeout=self.period)
 
     async def _loop(self) -> None:
         while True:
