@@ -73,7 +73,8 @@ def main() -> None:
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
         "latency_1x16_ms": {"local": round(1e3 * local_lat, 2), "swarm_2_peers": round(1e3 * swarm_lat, 2),
                             "swarm_minus_local": round(1e3 * (swarm_lat - local_lat), 2)},
-        "throughput_8x128_tokens_per_s": {"local": round(tokens / local_big), "swarm_2_peers": round(tokens / swarm_big),
+        "throughput_8x128_tokens_per_s": {
+            "local": round(tokens / local_big), "swarm_2_peers": round(tokens / swarm_big),
                                           "swarm_over_local": round(local_big / swarm_big, 3)},
         "max_abs_logit_diff": max_diff,
         "repeats": args.repeats,

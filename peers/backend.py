@@ -80,7 +80,7 @@ class StageBackend:
                     if not task.future.done():
                         task.future.set_exception(RuntimeError(f"forward failed on this peer: {e}"))
                 continue
-            for task, output in zip(batch, outputs):
+            for task, output in zip(batch, outputs, strict=True):
                 if not task.future.done():
                     task.future.set_result(output)
 

@@ -39,7 +39,8 @@ class SwarmConfig:
         for maddr in self.initial_peers:
             if "/p2p/" not in maddr:
                 raise ValueError(
-                    f"initial peer {maddr!r} lacks /p2p/PEER_ID; copy the whole --initial_peers line `swarm dht` printed"
+                    f"initial peer {maddr!r} lacks /p2p/PEER_ID; "
+                    "copy the whole --initial_peers line that `swarm dht` printed"
                 )
         if self.new_swarm and self.initial_peers:
             raise ValueError("use either --new_swarm or --initial_peers, not both")

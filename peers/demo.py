@@ -29,10 +29,11 @@ def ensure_demo_model(workdir: Path) -> Path:
 
 
 def run_demo(workdir: Path) -> int:
+    from tokenizers import Tokenizer
+
     from peers.client import SwarmClient
     from peers.model import LocalModel
     from peers.status import print_status
-    from tokenizers import Tokenizer
 
     console = Console()
     workdir = Path(workdir)

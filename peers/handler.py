@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import AsyncIterator  # typing's, not collections.abc's: hivemind's servicer reads it
+from collections.abc import AsyncIterator  # typing's, not collections.abc's: hivemind's servicer reads it
 
 import torch
 from hivemind.p2p import P2PContext
@@ -52,7 +52,8 @@ class StageHandler(StageService):
             yield runtime_pb2.ExpertResponse(metadata=ForwardReply(error=message).to_bytes())
             return
         await _drain(requests)
-        logger.debug("rpc_forward(blocks=%s, peer=...%s) %.1f ms", blocks, _short(context), 1e3 * (time.perf_counter() - t0))
+        elapsed_ms = 1e3 * (time.perf_counter() - t0)
+        logger.debug("rpc_forward(blocks=%s, peer=...%s) %.1f ms", blocks, _short(context), elapsed_ms)
         for message in tensor_messages(output, ForwardReply().to_bytes(), runtime_pb2.ExpertResponse):
             yield message
 

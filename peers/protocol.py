@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
-from typing import Any, AsyncIterator, ClassVar, TypeVar, get_type_hints  # typing's: hivemind reads it
+from collections.abc import (
+    AsyncIterator,  # typing's: hivemind reads it
+    Iterator,
+)
+from typing import Any, ClassVar, TypeVar, get_type_hints
 
 import msgpack
 import torch
@@ -156,7 +159,8 @@ def decode_tensor(serialized: runtime_pb2.Tensor) -> torch.Tensor:
     itemsize = torch.empty((), dtype=WIRE_DTYPES[serialized.dtype]).element_size()
     sizes = {numel * itemsize, numel * 4}  # hivemind's legacy bfloat16 mode sends fp32
     if serialized.compression == runtime_pb2.CompressionType.NONE and len(serialized.buffer) not in sizes:
-        raise RequestError(f"tensor of shape {tuple(serialized.size)} does not match its {len(serialized.buffer)} bytes")
+        shape = tuple(serialized.size)
+        raise RequestError(f"tensor of shape {shape} does not match its {len(serialized.buffer)} bytes")
     try:
         return deserialize_torch_tensor(serialized)
     except Exception as e:

@@ -102,7 +102,8 @@ class StageServer:
 
     def _measure(self, blocks) -> float:
         cfg = self.model_config
-        key = f"{cfg.family}-h{cfg.hidden_size}-i{cfg.intermediate_size}-kv{cfg.num_kv_heads}-{self.device}-{self.dtype}"
+        key = (f"{cfg.family}-h{cfg.hidden_size}-i{cfg.intermediate_size}-kv{cfg.num_kv_heads}"
+               f"-{self.device}-{self.dtype}")
 
         def measure() -> float:
             logger.info("Measuring compute throughput of one block (cached in %s)", self.config.cache_dir)
