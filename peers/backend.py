@@ -68,7 +68,8 @@ class StageBackend:
                 continue
             batch, rows, key = [], 0, pending[0].batch_key
             for task in pending:
-                if task.batch_key == key and rows + len(task.hidden) <= self.max_batch_size:
+                # the first task always runs, even alone above max_batch_size: an empty batch would kill this loop
+                if task.batch_key == key and (not batch or rows + len(task.hidden) <= self.max_batch_size):
                     batch.append(task)
                     rows += len(task.hidden)
             pending = [t for t in pending if t not in batch]

@@ -29,9 +29,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", help="debug logs, including hivemind's")
     parser = argparse.ArgumentParser(prog="swarm", description="Serve and run LLMs on a peer-to-peer swarm.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logs, including hivemind's")
     sub = parser.add_subparsers(dest="command", required=True)
+    add = sub.add_parser
+
+    def sub_add_parser(name: str, **kwargs) -> argparse.ArgumentParser:
+        return add(name, parents=[common], **kwargs)
+
+    sub.add_parser = sub_add_parser  # every subcommand takes -v
 
     dht = sub.add_parser("dht", help="run a bootstrap peer and print the --initial_peers line to share")
     _swarm_flags(dht, joining=False)

@@ -60,7 +60,10 @@ class SwarmProcess:
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM (a clean leave), then SIGKILL for whatever is left of the group."""
         if self.popen.poll() is None:
-            self.kill(signal.SIGTERM)
+            try:
+                os.kill(self.pid, signal.SIGTERM)  # the peer only: it stops its own daemon after leaving
+            except ProcessLookupError:
+                pass
             try:
                 self.popen.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import (
-    AsyncIterator,  # typing's: hivemind reads it
-    Iterator,
-)
-from typing import Any, ClassVar, TypeVar, get_type_hints
+from collections.abc import Iterator
+from typing import Any, AsyncIterator, ClassVar, TypeVar, get_type_hints  # noqa: UP035  hivemind needs typing's
 
 import msgpack
 import torch
@@ -76,6 +73,34 @@ class ForwardReply(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class InferenceOpen(Message):
+    """First message of an inference stream: open (or, with ``resume``, re-attach to) a session."""
+
+    session_id: str  # random, chosen by the client; bound to the client's peer id
+    start: int
+    end: int
+    max_length: int  # tokens the session may hold (prompt + new tokens)
+    batch_size: int
+    resume: bool = False  # re-attach to a live session after a broken stream
+
+
+@dataclasses.dataclass(frozen=True)
+class InferenceStep(Message):
+    """One step: hidden states of tokens ``[position, position + T)``; ``close`` ends the session."""
+
+    position: int = 0  # where these tokens start; < the session's length rolls the cache back to it
+    close: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class InferenceReply(Message):
+    """Reply to an open or a step; ``error`` explains a refusal (the session stays as it was)."""
+
+    error: str = ""
+    length: int = 0  # tokens the session holds after this step
+
+
+@dataclasses.dataclass(frozen=True)
 class StageInfo(Message):
     """What ``rpc_info`` returns: enough for a client to form valid requests."""
 
@@ -90,6 +115,9 @@ class StageInfo(Message):
     max_request_bytes: int
     throughput: float
     version: str
+    cache_tokens: int = 0  # inference cache budget: batch rows x tokens, over all sessions
+    cache_tokens_free: int = 0
+    session_timeout: float = 0.0  # seconds an idle session is kept
 
 
 class RequestError(ValueError):
@@ -113,6 +141,13 @@ class StageService(ServicerBase):
         raise NotImplementedError
         yield  # pragma: no cover  (makes this an async generator)
 
+    async def rpc_inference(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """A long-lived stream: ``InferenceOpen``, then one message per step (``InferenceStep`` + hidden)."""
+        raise NotImplementedError
+        yield  # pragma: no cover
+
 
 def tensor_messages(
     tensor: torch.Tensor, metadata: bytes, cls: type = runtime_pb2.ExpertRequest
@@ -123,32 +158,41 @@ def tensor_messages(
         yield cls(tensors=[chunk], metadata=metadata if i == 0 else b"")
 
 
-async def read_tensor_messages(stream: AsyncIterator[Any], max_bytes: int) -> tuple[bytes, torch.Tensor]:
+async def read_tensor_messages(
+    stream: AsyncIterator[Any], max_bytes: int, first: Any | None = None
+) -> tuple[bytes, torch.Tensor]:
     """Collect one tensor (and the first message's metadata) from a stream of chunked messages.
 
-    Raises ``RequestError`` if the stream ends early, the chunks are malformed or exceed ``max_bytes``.
+    ``first``, if given, is a message already taken from ``stream``. Reads exactly the tensor's chunks, so
+    a long-lived stream can carry many tensors one after another. Raises ``RequestError`` if the stream
+    ends early, the chunks are malformed or exceed ``max_bytes``.
     """
-    metadata, parts, expected, received = b"", [], None, 0
-    async for message in stream:
-        if expected is None:
-            metadata = message.metadata
-            if len(message.tensors) != 1:
-                raise RequestError(f"expected one tensor per message, got {len(message.tensors)}")
-            expected = max(1, message.tensors[0].chunks)
-        elif len(message.tensors) != 1:
+    if first is None:
+        try:
+            first = await anext(stream)
+        except StopAsyncIteration:
+            raise RequestError("stream ended before any tensor") from None
+    if len(first.tensors) != 1:
+        raise RequestError(f"expected one tensor per message, got {len(first.tensors)}")
+    parts, expected = [first.tensors[0]], max(1, first.tensors[0].chunks)
+    received = len(first.tensors[0].buffer) + len(first.metadata)
+    while len(parts) < expected:
+        if received > max_bytes:
+            break
+        try:
+            message = await anext(stream)
+        except StopAsyncIteration:
+            raise RequestError(f"stream ended after {len(parts)} of {expected} chunks") from None
+        if len(message.tensors) != 1:
             raise RequestError("malformed stream: a chunk message must carry exactly one tensor part")
         received += len(message.tensors[0].buffer) + len(message.metadata)
-        if received > max_bytes:
-            raise RequestError(f"request exceeds this peer's limit of {max_bytes} bytes; send smaller batches")
         parts.append(message.tensors[0])
-        if len(parts) == expected:
-            break
-    if expected is None or len(parts) != expected:
-        raise RequestError(f"stream ended after {len(parts)} of {expected or '?'} chunks")
+    if received > max_bytes:
+        raise RequestError(f"request exceeds this peer's limit of {max_bytes} bytes; send smaller batches")
     serialized = runtime_pb2.Tensor()
     serialized.CopyFrom(parts[0])
     serialized.buffer = b"".join(p.buffer for p in parts)
-    return metadata, decode_tensor(serialized)
+    return first.metadata, decode_tensor(serialized)
 
 
 def decode_tensor(serialized: runtime_pb2.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ KEY_PREFIX = "fusionswarm.v1"
 
 def check_model_name(model: str) -> str:
     """Model names become DHT keys: keep them to a safe alphabet."""
-    if not _MODEL_RE.match(model):
+    if not isinstance(model, str) or not _MODEL_RE.fullmatch(model):  # fullmatch: `$` allows a final newline
         raise ValueError(
             f"model name {model!r} must match {_MODEL_RE.pattern} (rename the folder or pass --model_name)"
         )

@@ -42,7 +42,7 @@ class PeerRecord:
     wire: int = WIRE_VERSION
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.peer_id, str) and _PEER_ID_RE.match(self.peer_id), f"bad peer_id {self.peer_id!r}")
+        _check(isinstance(self.peer_id, str) and _PEER_ID_RE.fullmatch(self.peer_id), f"bad peer_id {self.peer_id!r}")
         _check(isinstance(self.model, str) and 0 < len(self.model) <= _MAX_TEXT, "bad model name")
         _check(_is_int(self.start) and _is_int(self.end), "start/end must be integers")
         _check(0 <= self.start < self.end, f"bad block range {self.start}:{self.end}")
@@ -87,6 +87,8 @@ class PeerRecord:
             kwargs["state"] = PeerState(kwargs["state"])
         except ValueError as e:
             raise ValueError(f"bad state {kwargs['state']!r}") from e
+        if not isinstance(kwargs.get("addresses", ()), (list, tuple)):  # tuple("/ip4/...") would split a string
+            raise ValueError(f"addresses must be a list of strings, got {type(kwargs['addresses']).__name__}")
         kwargs["addresses"] = tuple(kwargs.get("addresses", ()))
         return cls(**kwargs)
 

@@ -2,7 +2,8 @@
 
 Every transformer block (``LlamaBlock``, ``GPT2Block``) implements::
 
-    forward(hidden [B, T, H], position_ids [B, T], past_kv: KV | None = None) -> (hidden [B, T, H], KV)
+    forward(hidden [B, T, H], position_ids [B, T], past_kv: KV | None = None, key_mask=None)
+        -> (hidden [B, T, H], KV)
 
 where the returned KV is ``past_kv`` with this call's keys/values appended along the sequence axis.
 """
@@ -28,7 +29,8 @@ class Block(Protocol):
     """What a stage needs from a transformer block."""
 
     def __call__(
-        self, hidden: torch.Tensor, position_ids: torch.Tensor, past_kv: KV | None = None
+        self, hidden: torch.Tensor, position_ids: torch.Tensor, past_kv: KV | None = None,
+        key_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, KV]: ...
 
 
@@ -56,12 +58,15 @@ def append_kv(past_kv: KV | None, k: torch.Tensor, v: torch.Tensor) -> KV:
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, window: int | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, window: int | None = None,
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal SDPA of q ``[B, Hq, T, D]`` over k/v ``[B, Hkv, S, D]``, S = past + T.
 
     Query i sits at absolute position ``S - T + i`` and sees keys ``0 .. S - T + i`` (only the
-    last ``window`` of them when a sliding window is set). Returns ``[B, Hq, T, D]``.
+    last ``window`` of them when a sliding window is set). ``key_mask`` ``[B, S]`` (True = a real key)
+    hides padding, e.g. when sessions with caches of different lengths are batched with left padding.
+    Returns ``[B, Hq, T, D]``.
     """
     t, s = q.shape[-2], k.shape[-2]
     past = s - t
@@ -76,6 +81,13 @@ def causal_attention(
         mask = k_pos <= q_pos
         if window is not None:
             mask &= k_pos > q_pos - window
+    if key_mask is not None:
+        if key_mask.shape != (q.shape[0], s):
+            raise ValueError(f"key_mask must be [batch, {s}], got {tuple(key_mask.shape)}")
+        if mask is None:
+            q_pos = torch.arange(past, s, device=q.device)[:, None]
+            mask = torch.arange(s, device=q.device)[None, :] <= q_pos
+        mask, is_causal = mask[None, None] & key_mask[:, None, None, :], False
     if q.shape[1] == k.shape[1]:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
     if _SDPA_GQA:

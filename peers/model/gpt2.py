@@ -42,7 +42,7 @@ class GPT2Attention(nn.Module):
         self.c_proj = Conv1D(h, h)
 
     def forward(
-        self, x: torch.Tensor, past_kv: KV | None = None
+        self, x: torch.Tensor, past_kv: KV | None = None, key_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, KV]:
         b, t, h = x.shape
         q, k, v = (
@@ -50,7 +50,7 @@ class GPT2Attention(nn.Module):
             for z in self.c_attn(x).split(h, dim=-1)
         )
         k, v = append_kv(past_kv, k, v)
-        out = causal_attention(q, k, v, scale=self.head_dim**-0.5)
+        out = causal_attention(q, k, v, scale=self.head_dim**-0.5, key_mask=key_mask)
         return self.c_proj(out.transpose(1, 2).reshape(b, t, h)), (k, v)
 
 
@@ -79,9 +79,10 @@ class GPT2Block(nn.Module):
         self.mlp = GPT2MLP(config)
 
     def forward(
-        self, hidden: torch.Tensor, position_ids: torch.Tensor, past_kv: KV | None = None
+        self, hidden: torch.Tensor, position_ids: torch.Tensor, past_kv: KV | None = None,
+        key_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, KV]:
-        attn, kv = self.attn(self.ln_1(hidden), past_kv)
+        attn, kv = self.attn(self.ln_1(hidden), past_kv, key_mask)
         hidden = hidden + attn
         return hidden + self.mlp(self.ln_2(hidden)), kv
 

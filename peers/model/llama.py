@@ -107,7 +107,8 @@ class LlamaAttention(nn.Module):
         self.rotary = Rotary(config)
 
     def forward(
-        self, x: torch.Tensor, position_ids: torch.Tensor, past_kv: KV | None = None
+        self, x: torch.Tensor, position_ids: torch.Tensor, past_kv: KV | None = None,
+        key_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, KV]:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
@@ -116,7 +117,7 @@ class LlamaAttention(nn.Module):
         cos, sin = self.rotary(position_ids, x.dtype)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         k, v = append_kv(past_kv, k, v)
-        out = causal_attention(q, k, v, scale=self.head_dim**-0.5, window=self.window)
+        out = causal_attention(q, k, v, scale=self.head_dim**-0.5, window=self.window, key_mask=key_mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
 
 
@@ -147,9 +148,10 @@ class LlamaBlock(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(
-        self, hidden: torch.Tensor, position_ids: torch.Tensor, past_kv: KV | None = None
+        self, hidden: torch.Tensor, position_ids: torch.Tensor, past_kv: KV | None = None,
+        key_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, KV]:
-        attn, kv = self.self_attn(self.input_layernorm(hidden), position_ids, past_kv)
+        attn, kv = self.self_attn(self.input_layernorm(hidden), position_ids, past_kv, key_mask)
         hidden = hidden + attn
         return hidden + self.mlp(self.post_attention_layernorm(hidden)), kv
 
