@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -14,7 +15,12 @@ class BackgroundLoop:
     """An asyncio loop running in a daemon thread; ``run(coro)`` blocks until the coroutine finishes."""
 
     def __init__(self, name: str = "fusionswarm-loop") -> None:
-        self.loop = asyncio.new_event_loop()
+        try:
+            import uvloop
+
+            self.loop = uvloop.new_event_loop()
+        except ImportError:
+            self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
 
@@ -22,6 +28,59 @@ class BackgroundLoop:
         if threading.current_thread() is self._thread:
             raise RuntimeError("BackgroundLoop.run() called from its own loop: await the coroutine instead")
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def iterate(self, agen: AsyncIterator[T], timeout: float | None = None) -> Iterator[T]:
+        """Consume an async iterator on this loop from synchronous code, item by item."""
+        items: queue.Queue = queue.Queue()
+        done = object()
+
+        async def pump() -> None:
+            try:
+                async for item in agen:
+                    items.put((item, None))
+            except BaseException as e:  # re-raised in the consumer
+                items.put((None, e))
+            finally:
+                items.put((done, None))
+
+        future = asyncio.run_coroutine_threadsafe(pump(), self.loop)
+        try:
+            while True:
+                item, error = items.get(timeout=timeout)
+                if error is not None:
+                    raise error
+                if item is done:
+                    return
+                yield item
+        finally:
+            future.cancel()
+
+    async def aiterate(self, agen: AsyncIterator[T]) -> AsyncIterator[T]:
+        """Consume an async iterator that lives on this loop from another event loop."""
+        caller = asyncio.get_running_loop()
+        items: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump() -> None:
+            try:
+                async for item in agen:
+                    caller.call_soon_threadsafe(items.put_nowait, (item, None))
+            except BaseException as e:
+                caller.call_soon_threadsafe(items.put_nowait, (None, e))
+            finally:
+                caller.call_soon_threadsafe(items.put_nowait, (done, None))
+
+        future = asyncio.run_coroutine_threadsafe(pump(), self.loop)
+        try:
+            while True:
+                item, error = await items.get()
+                if error is not None:
+                    raise error
+                if item is done:
+                    return
+                yield item
+        finally:
+            future.cancel()
 
     def close(self) -> None:
         """Cancel every task still on the loop, then stop and close it."""

@@ -9,27 +9,37 @@ from dataclasses import dataclass, field
 
 import torch
 
+from peers.sessions import Session
+
 logger = logging.getLogger(__name__)
 
+# Batches of at most this many tokens run on the event loop's thread: handing a few-millisecond compute to
+# a worker thread costs about as much again (GIL hand-offs between many small torch ops). Larger batches
+# run on the compute thread so that the peer keeps answering while it works.
+INLINE_TOKENS = 64
 
-@dataclass
+
+@dataclass(eq=False)  # identity: tasks hold tensors, which do not compare to a bool
 class _Task:
     hidden: torch.Tensor
     start: int
     end: int
     future: asyncio.Future = field(repr=False)
+    session: Session | None = None  # an inference step, else a stateless forward
 
     @property
     def batch_key(self) -> tuple:
-        return self.start, self.end, self.hidden.shape[1:], self.hidden.dtype
+        seq = self.hidden.shape[1]
+        return self.session is not None, self.start, self.end, seq, self.hidden.shape[2:], self.hidden.dtype
 
 
 class StageBackend:
-    """Holds blocks ``[start, end)`` of a model and runs forwards for them.
+    """Holds blocks ``[start, end)`` of a model and runs forwards and inference steps for them.
 
-    Requests that are waiting when the compute thread frees up, and that have the same blocks, sequence
-    length and dtype, are concatenated along the batch axis and run as one forward (up to
-    ``max_batch_size`` rows).
+    Tasks that are waiting when the compute thread frees up, and that have the same kind, blocks, number of
+    new tokens and dtype, are concatenated along the batch axis and run as one forward (up to
+    ``max_batch_size`` rows). Inference steps of sessions whose caches differ in length are batched with
+    left padding and a key mask.
     """
 
     def __init__(self, blocks, *, start: int, device: torch.device, dtype: torch.dtype, max_batch_size: int):
@@ -39,6 +49,7 @@ class StageBackend:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
         self._runner: asyncio.Task | None = None
         self.batches_run = 0  # for tests and the status page
+        self.inference_steps = self.inference_batches = 0
 
     async def launch(self) -> None:
         """Start the batching loop (call from the serving event loop)."""
@@ -52,9 +63,20 @@ class StageBackend:
 
     async def forward(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Hidden states ``[batch, seq, hidden]`` through blocks ``[start, end)``; validated by the caller."""
-        future = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Task(hidden, start, end, future))
-        return await future
+        return await self._submit(_Task(hidden, start, end, asyncio.get_running_loop().create_future()))
+
+    async def inference_step(self, session: Session, hidden: torch.Tensor, position: int) -> torch.Tensor:
+        """Tokens ``[position, position + T)`` of ``session`` through its blocks, extending its KV cache.
+
+        A ``position`` below the session's length first rolls the cache back to it. Validated by the caller.
+        """
+        session.truncate(position)
+        task = _Task(hidden, session.start, session.end, asyncio.get_running_loop().create_future(), session)
+        return await self._submit(task)
+
+    async def _submit(self, task: _Task) -> torch.Tensor:
+        await self._queue.put(task)
+        return await task.future
 
     async def _run(self) -> None:
         pending: list[_Task] = []
@@ -66,33 +88,104 @@ class StageBackend:
             pending = [t for t in pending if not t.future.done()]  # callers that timed out
             if not pending:
                 continue
-            batch, rows, key = [], 0, pending[0].batch_key
+            batch, rest, rows, key = [], [], 0, pending[0].batch_key
             for task in pending:
-                # the first task always runs, even alone above max_batch_size: an empty batch would kill this loop
                 if task.batch_key == key and (not batch or rows + len(task.hidden) <= self.max_batch_size):
                     batch.append(task)
                     rows += len(task.hidden)
-            pending = [t for t in pending if t not in batch]
+                else:
+                    rest.append(task)
+            pending = rest
+            compute = self._compute_inference if batch[0].session is not None else self._compute_forward
             try:
-                outputs = await asyncio.get_running_loop().run_in_executor(self._executor, self._compute, batch)
+                if sum(t.hidden.shape[0] * t.hidden.shape[1] for t in batch) <= INLINE_TOKENS:
+                    outputs = compute(batch)  # small: a thread hand-off would cost more than the compute
+                else:
+                    outputs = await asyncio.get_running_loop().run_in_executor(self._executor, compute, batch)
             except Exception as e:
-                logger.exception("Forward of blocks %d:%d failed", batch[0].start, batch[0].end)
+                logger.exception("Compute of blocks %d:%d failed", batch[0].start, batch[0].end)
                 for task in batch:
                     if not task.future.done():
-                        task.future.set_exception(RuntimeError(f"forward failed on this peer: {e}"))
+                        task.future.set_exception(RuntimeError(f"compute failed on this peer: {e}"))
                 continue
             for task, output in zip(batch, outputs, strict=True):
                 if not task.future.done():
                     task.future.set_result(output)
 
+    def _span(self, task: _Task):
+        return self.blocks[task.start - self.start : task.end - self.start]
+
     @torch.inference_mode()
-    def _compute(self, batch: list[_Task]) -> list[torch.Tensor]:
+    def _compute_forward(self, batch: list[_Task]) -> list[torch.Tensor]:
         self.batches_run += 1
         hidden = torch.cat([t.hidden for t in batch]).to(self.device, self.dtype)
         batch_size, seq_len = hidden.shape[:2]
         position_ids = torch.arange(seq_len, device=self.device).expand(batch_size, seq_len)
-        first, last = batch[0].start - self.start, batch[0].end - self.start
-        for block in self.blocks[first:last]:
+        for block in self._span(batch[0]):
             hidden, _ = block(hidden, position_ids)
         hidden = hidden.to("cpu", batch[0].hidden.dtype)
         return list(hidden.split([len(t.hidden) for t in batch]))
+
+    @torch.inference_mode()
+    def _compute_inference(self, batch: list[_Task]) -> list[torch.Tensor]:
+        self.batches_run += 1
+        self.inference_batches += 1
+        self.inference_steps += len(batch)
+        sessions = [t.session for t in batch]
+        hidden = torch.cat([t.hidden for t in batch]).to(self.device, self.dtype)
+        new = hidden.shape[1]
+        longest = max(s.length for s in sessions)
+        position_ids = torch.cat([
+            torch.arange(s.length, s.length + new, device=self.device).expand(len(t.hidden), new)
+            for s, t in zip(sessions, batch, strict=True)
+        ])
+        key_mask = None
+        if any(s.length != longest for s in sessions):
+            key_mask = torch.cat([_left_pad_mask(s.length, longest, new, len(t.hidden), self.device)
+                                  for s, t in zip(sessions, batch, strict=True)])
+        blocks = self._span(batch[0])
+        new_past: list[list] = [[] for _ in sessions]
+        for i, block in enumerate(blocks):
+            past = _batched_past(sessions, i, longest) if longest else None
+            hidden, (k, v) = block(hidden, position_ids, past, key_mask)
+            if len(batch) == 1:  # k, v are fresh tensors: keep them without a copy
+                new_past[0].append((k, v))
+                continue
+            offset = 0
+            for j, (s, t) in enumerate(zip(sessions, batch, strict=True)):
+                rows = slice(offset, offset + len(t.hidden))
+                skip = longest - s.length  # left padding of this session
+                new_past[j].append((k[rows, :, skip:].clone(), v[rows, :, skip:].clone()))
+                offset += len(t.hidden)
+        for s, past in zip(sessions, new_past, strict=True):
+            s.past, s.length = past, s.length + new
+        hidden = hidden.to("cpu", batch[0].hidden.dtype)
+        return list(hidden.split([len(t.hidden) for t in batch]))
+
+
+def _left_pad_mask(length: int, longest: int, new: int, rows: int, device) -> torch.Tensor:
+    mask = torch.ones(rows, longest + new, dtype=torch.bool, device=device)
+    mask[:, : longest - length] = False
+    return mask
+
+
+def _batched_past(sessions: list[Session], block: int, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block ``block``'s caches of all sessions, left-padded with zeros to ``longest`` and concatenated."""
+    keys, values = [], []
+    for s in sessions:
+        if s.length == 0:
+            ref = next(x.past[block][0] for x in sessions if x.length)
+            shape = (s.batch_size, ref.shape[1], longest, ref.shape[3])
+            keys.append(ref.new_zeros(shape))
+            values.append(ref.new_zeros(shape))
+            continue
+        k, v = s.past[block]
+        pad = longest - s.length
+        if pad:
+            k = torch.cat([k.new_zeros(*k.shape[:2], pad, k.shape[3]), k], dim=2)
+            v = torch.cat([v.new_zeros(*v.shape[:2], pad, v.shape[3]), v], dim=2)
+        keys.append(k)
+        values.append(v)
+    if len(sessions) == 1:
+        return keys[0], values[0]
+    return torch.cat(keys), torch.cat(values)

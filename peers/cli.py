@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-v", "--verbose", action="store_true", help="debug logs, including hivemind's")
+    common.add_argument("-v", "--verbose", action="store_true", help="debug logs")
     parser = argparse.ArgumentParser(prog="swarm", description="Serve and run LLMs on a peer-to-peer swarm.")
     sub = parser.add_subparsers(dest="command", required=True)
     add = sub.add_parser
@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     blocks.add_argument("--block_indices", type=parse_block_indices, help="serve blocks START:END, e.g. 0:4")
     blocks.add_argument("--num_blocks", type=int, help="serve N blocks, where the swarm is weakest")
     peer.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    peer.add_argument("--num_threads", type=int, default=None,
+                      help="CPU threads for torch (default: torch's); use 1 when several peers share a CPU")
     peer.add_argument("--torch_dtype", default="float32", choices=["float32", "float16", "bfloat16", "auto"])
     peer.add_argument("--public_name", default="", help="a name shown in `swarm status`")
     peer.add_argument("--model_name", default=None, help="name of the model in the DHT (default: folder name)")
@@ -60,12 +62,28 @@ def _parser() -> argparse.ArgumentParser:
     peer.add_argument("--update_period", type=float, default=15.0, help="seconds between announcements")
     peer.add_argument("--throughput", type=float, default=None, help="tokens/s per block; default: measure")
     peer.add_argument("--cache_dir", type=Path, default=DEFAULT_CACHE_DIR, help="throughput cache folder")
+    peer.add_argument("--cache_tokens", type=int, default=16384,
+                      help="inference KV cache budget in tokens (batch rows x max_length, all sessions)")
+    peer.add_argument("--session_timeout", type=float, default=60.0,
+                      help="seconds an idle or disconnected inference session keeps its cache")
     peer.set_defaults(func=_cmd_peer)
 
     status = sub.add_parser("status", help="who is online, which blocks they serve, what is missing")
     status.add_argument("model", help="model folder or model name")
     _swarm_flags(status, joining=True, new_swarm=False)
     status.set_defaults(func=_cmd_status)
+
+    gen = sub.add_parser("generate", help="generate text through the swarm (token ids never leave this machine)")
+    gen.add_argument("model_dir", type=Path, help="the model folder (config.json, embeddings, head, tokenizer.json)")
+    _swarm_flags(gen, joining=True, new_swarm=False)
+    gen.add_argument("--prompt", required=True, help="text to continue")
+    gen.add_argument("--max_new_tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=None, help="sample with this temperature (default: greedy)")
+    gen.add_argument("--top_k", type=int, default=None, help="sample among the k most likely tokens")
+    gen.add_argument("--top_p", type=float, default=None, help="sample from the smallest set reaching this mass")
+    gen.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    gen.add_argument("--request_timeout", type=float, default=30.0, help="seconds per step before re-routing")
+    gen.set_defaults(func=_cmd_generate)
 
     demo = sub.add_parser("demo", help="a whole swarm on this machine: bootstrap, 3 peers, a client")
     demo.add_argument("--workdir", type=Path, default=DEFAULT_CACHE_DIR / "demo", help="models and logs")
@@ -126,8 +144,12 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         torch_dtype=args.torch_dtype, public_name=args.public_name, max_batch_size=args.max_batch_size,
         max_request_bytes=args.max_request_bytes,
         request_timeout=args.request_timeout, update_period=args.update_period, throughput=args.throughput,
-        cache_dir=args.cache_dir,
+        cache_dir=args.cache_dir, cache_tokens=args.cache_tokens, session_timeout=args.session_timeout,
     )
+    if args.num_threads:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
     server = StageServer(config)
     _run_until_signal(server.run)
     return 0
@@ -161,6 +183,26 @@ def _cmd_status(args: argparse.Namespace) -> int:
     records = asyncio.run(snapshot())
     total = total or max((r.end for r in records), default=0)
     print_status(name, records, total)
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from peers.client import SwarmClient
+    from peers.config import ClientConfig
+    from peers.generation import SamplingConfig
+    from peers.textgen import stream_text
+
+    swarm = _swarm_config(args)
+    if not swarm.initial_peers:
+        raise ValueError("pass --initial_peers: the line `swarm dht` printed")
+    sample = any(x is not None for x in (args.temperature, args.top_k, args.top_p))
+    sampling = SamplingConfig(do_sample=sample, temperature=args.temperature or 1.0, top_k=args.top_k,
+                              top_p=args.top_p, seed=args.seed)
+    config = ClientConfig(swarm=swarm, request_timeout=args.request_timeout)
+    with SwarmClient(args.model_dir, config=config) as client:
+        for piece in stream_text(client, args.prompt, args.max_new_tokens, sampling=sampling):
+            print(piece, end="", flush=True)
+    print()
     return 0
 
 
@@ -203,7 +245,7 @@ def _setup_logging(verbose: bool) -> None:
         lg.handlers[:] = [handler]
         lg.setLevel(level)
         lg.propagate = False
-    logging.getLogger("hivemind").setLevel(logging.DEBUG if verbose else logging.WARNING)
+    logging.getLogger("hivemind").setLevel(logging.WARNING)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from hivemind.proto import runtime_pb2
 
 from peers.aio import BackgroundLoop
 from peers.config import DTYPES, ClientConfig, SwarmConfig
+from peers.generation import SamplingConfig, generate_stream
 from peers.model import ModelConfig, load_client_parts
 from peers.protocol import (
     ForwardReply,
@@ -23,6 +25,7 @@ from peers.protocol import (
     read_tensor_messages,
     tensor_messages,
 )
+from peers.session import InferenceSession
 from swarm.discovery import fetch_records, start_node
 from swarm.keys import check_model_name
 from swarm.records import PeerRecord
@@ -96,6 +99,42 @@ class SwarmClient:
         """Hidden states through blocks ``[start, end)`` of the swarm (all blocks by default)."""
         end = self.model_config.num_layers if end is None else end
         return self._loop.run(self.run_blocks_async(hidden, start, end))
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        sampling: SamplingConfig | None = None,
+        stop_tokens: Sequence[int] = (),
+    ) -> torch.Tensor:
+        """``[batch, prompt + new]`` token ids, generated through the swarm (greedy unless ``sampling``)."""
+        new = list(self.iter_generate(input_ids, max_new_tokens, sampling=sampling, stop_tokens=stop_tokens))
+        return torch.cat([input_ids.cpu(), torch.stack(new, dim=1)], dim=1) if new else input_ids.cpu()
+
+    def iter_generate(
+        self, input_ids: torch.Tensor, max_new_tokens: int, *, sampling: SamplingConfig | None = None,
+        stop_tokens: Sequence[int] = (),
+    ) -> Iterator[torch.Tensor]:
+        """Yield each new token (``[batch]``) as it comes."""
+        stream = generate_stream(self, input_ids, max_new_tokens, sampling or SamplingConfig(), stop_tokens)
+        return self._loop.iterate(stream)
+
+    def generate_stream(
+        self, input_ids: torch.Tensor, max_new_tokens: int, *, sampling: SamplingConfig | None = None,
+        stop_tokens: Sequence[int] = (),
+    ) -> AsyncIterator[torch.Tensor]:
+        """An async iterator of new tokens (``[batch]``), usable from any event loop."""
+        stream = generate_stream(self, input_ids, max_new_tokens, sampling or SamplingConfig(), stop_tokens)
+        return self._loop.aiterate(stream)
+
+    def inference_session(self, *, max_length: int, batch_size: int = 1) -> InferenceSession:
+        """An ``async with`` session for custom decoding loops (run it on ``client.loop``)."""
+        return InferenceSession(self, max_length=max_length, batch_size=batch_size)
+
+    @property
+    def loop(self):
+        return self._loop
 
     def records(self) -> list[PeerRecord]:
         """A fresh snapshot of the swarm's peer records."""

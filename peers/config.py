@@ -66,6 +66,8 @@ class StageServerConfig:
     update_period: float = 15.0  # seconds between announcements; a record expires after ~2 periods
     throughput: float | None = None  # tokens/s per block; None: measure once and cache
     cache_dir: Path = DEFAULT_CACHE_DIR
+    cache_tokens: int = 16384  # inference KV cache budget: batch rows x max_length summed over sessions
+    session_timeout: float = 60.0  # seconds an idle or disconnected session keeps its cache
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
@@ -81,7 +83,8 @@ class StageServerConfig:
             raise ValueError(f"--device {self.device}: CUDA is not available on this machine; use --device cpu")
         if not self.swarm.new_swarm and not self.swarm.initial_peers:
             raise ValueError("pass --initial_peers (the line `swarm dht` printed) or --new_swarm to start a swarm")
-        for name in ("max_batch_size", "max_request_bytes", "request_timeout", "update_period"):
+        for name in ("max_batch_size", "max_request_bytes", "request_timeout", "update_period", "cache_tokens",
+                     "session_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         self.cache_dir = Path(self.cache_dir)

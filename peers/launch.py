@@ -81,9 +81,9 @@ class SwarmProcess:
 class LocalSwarm:
     """A bootstrap peer plus stage peers on 127.0.0.1; a context manager that stops all of them."""
 
-    def __init__(self, workdir: Path, *, update_period: float = 2.0) -> None:
+    def __init__(self, workdir: Path, *, update_period: float = 2.0, num_threads: int | None = 1) -> None:
         self.workdir = Path(workdir)
-        self.update_period = update_period
+        self.update_period, self.num_threads = update_period, num_threads
         self.processes: list[SwarmProcess] = []
         self.initial_peers: list[str] = []
 
@@ -109,7 +109,8 @@ class LocalSwarm:
         blocks = ["--block_indices", block_indices] if block_indices else ["--num_blocks", str(num_blocks)]
         args = [
             "peer", str(model_dir), "--initial_peers", *self.initial_peers, *blocks,
-            "--update_period", str(self.update_period), "--cache_dir", str(self.workdir / "cache"), *extra,
+            "--update_period", str(self.update_period), "--cache_dir", str(self.workdir / "cache"),
+            *(["--num_threads", str(self.num_threads)] if self.num_threads else []), *extra,
         ]
         proc = self._spawn(args, name or f"peer{len(self.processes)}")
         if wait:

@@ -118,6 +118,9 @@ class StageInfo(Message):
     cache_tokens: int = 0  # inference cache budget: batch rows x tokens, over all sessions
     cache_tokens_free: int = 0
     session_timeout: float = 0.0  # seconds an idle session is kept
+    sessions: int = 0  # open inference sessions
+    inference_steps: int = 0  # session steps served so far
+    inference_batches: int = 0  # batched forwards that ran them (fewer than steps when batching works)
 
 
 class RequestError(ValueError):

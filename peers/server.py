@@ -15,6 +15,7 @@ from peers.config import DTYPES, StageServerConfig
 from peers.handler import StageHandler
 from peers.model import ModelConfig, load_blocks
 from peers.protocol import StageInfo
+from peers.sessions import SessionRegistry
 from swarm.announcer import Announcer
 from swarm.block_selection import choose_blocks
 from swarm.discovery import fetch_records, start_node, visible_maddrs
@@ -57,7 +58,7 @@ class StageServer:
             announce_maddrs=swarm.announce_maddrs,
             identity_path=str(swarm.identity_path) if swarm.identity_path else None,
         )
-        announcer = backend = handler = None
+        announcer = backend = handler = reaper = None
         try:
             peer_id = str(self.node.peer_id)
             start, end = await self._choose_blocks()
@@ -70,7 +71,10 @@ class StageServer:
                 blocks, start=start, device=self.device, dtype=self.dtype, max_batch_size=self.config.max_batch_size
             )
             await backend.launch()
-            handler = StageHandler(backend, self._make_info(peer_id, start, end, throughput),
+            sessions = SessionRegistry(cache_tokens=self.config.cache_tokens, timeout=self.config.session_timeout,
+                                       max_length_limit=self.model_config.max_position_embeddings)
+            reaper = asyncio.create_task(_reap_forever(sessions))
+            handler = StageHandler(backend, self._make_info(peer_id, start, end, throughput), sessions,
                                    request_timeout=self.config.request_timeout)
             await handler.add_p2p_handlers(self.node.p2p)
             announcer.update(state=PeerState.ONLINE, throughput=throughput)
@@ -87,6 +91,8 @@ class StageServer:
                 await _quietly(announcer.stop(PeerState.OFFLINE), "announce offline")
             if handler is not None:
                 await _quietly(handler.remove_p2p_handlers(self.node.p2p), "remove handlers")
+            if reaper is not None:
+                reaper.cancel()
             if backend is not None:
                 await backend.shutdown()
             await _quietly(self.node.shutdown(), "stop the DHT node")
@@ -132,7 +138,8 @@ class StageServer:
             peer_id=peer_id, model=self.model_name, start=start, end=end, hidden_size=cfg.hidden_size,
             dtype=str(self.dtype).removeprefix("torch."), max_batch_size=self.config.max_batch_size,
             max_seq_len=cfg.max_position_embeddings, max_request_bytes=self.config.max_request_bytes,
-            throughput=float(throughput), version=peers.__version__,
+            throughput=float(throughput), version=peers.__version__, cache_tokens=self.config.cache_tokens,
+            cache_tokens_free=self.config.cache_tokens, session_timeout=self.config.session_timeout,
         )
 
 
@@ -143,3 +150,10 @@ async def _quietly(coro, what: str) -> None:
     except Exception as e:
         logger.info("Could not %s (%s); the p2p daemon may have stopped first. Our record expires by itself.",
                     what, type(e).__name__)
+
+
+async def _reap_forever(sessions: SessionRegistry) -> None:
+    """Free sessions whose client went away, a few times per timeout."""
+    while True:
+        await asyncio.sleep(max(0.2, sessions.timeout / 4))
+        sessions.reap()

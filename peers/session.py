@@ -1,0 +1,197 @@
+"""``InferenceSession``: a generation's steps through a chain of peers, with replay onto replacements.
+
+Each hop of the chain is a ``SpanSession``: one long-lived stream to one peer, which keeps the KV cache of
+its blocks. The client remembers every input it sent to a hop (its history); when a peer fails, the
+session bans it, routes the hop's blocks to other peers and replays the history there to rebuild the
+cache, so greedy generation continues with the same tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from hivemind.p2p import PeerID
+
+from peers.protocol import (
+    InferenceOpen,
+    InferenceReply,
+    InferenceStep,
+    RequestError,
+    StageService,
+    read_tensor_messages,
+    tensor_messages,
+)
+
+if TYPE_CHECKING:
+    from peers.client import SwarmClient
+
+logger = logging.getLogger(__name__)
+
+MAX_REPLY_BYTES = 1 << 30
+
+
+class SpanSession:
+    """One stream to one peer for blocks ``[start, end)``."""
+
+    def __init__(self, client: SwarmClient, peer_id: str, start: int, end: int, session_id: str) -> None:
+        self.client, self.peer_id, self.start, self.end = client, peer_id, start, end
+        self.session_id = session_id
+        self.history: list[torch.Tensor] = []  # inputs sent, in order
+        self.length = 0
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self._replies = None
+
+    async def open(self, max_length: int, batch_size: int) -> None:
+        stub = StageService.get_stub(self.client.node.p2p, PeerID.from_base58(self.peer_id))
+        request = InferenceOpen(session_id=self.session_id, start=self.start, end=self.end,
+                                max_length=max_length, batch_size=batch_size)
+        await self._outbox.put(_request(request.to_bytes()))
+        self._replies = await stub.rpc_inference(self._requests())
+        reply = InferenceReply.from_bytes((await self._next_reply()).metadata)
+        if reply.error:
+            raise RequestError(f"peer ...{self.peer_id[-6:]} refused the session: {reply.error}")
+
+    async def step(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Send tokens ``[length, length + T)``; return the hop's output hidden states."""
+        metadata = InferenceStep(position=self.length).to_bytes()
+        for message in tensor_messages(hidden, metadata):
+            await self._outbox.put(message)
+        first = await self._next_reply()
+        reply = InferenceReply.from_bytes(first.metadata)
+        if reply.error:
+            raise RequestError(f"peer ...{self.peer_id[-6:]} refused a step: {reply.error}")
+
+        async def rest():
+            yield first
+            while True:
+                yield await self._next_reply()
+
+        _, output = await read_tensor_messages(rest(), MAX_REPLY_BYTES)
+        self.history.append(hidden)
+        self.length += hidden.shape[1]
+        return output
+
+    async def close(self) -> None:
+        """Tell the peer to free the cache now, then end the stream."""
+        await self._outbox.put(_request(InferenceStep(close=True).to_bytes()))
+        await self._outbox.put(None)
+
+    def abandon(self) -> None:
+        """End the stream without waiting (the peer frees the cache after its timeout)."""
+        self._outbox.put_nowait(None)
+
+    async def _requests(self):
+        while True:
+            message = await self._outbox.get()
+            if message is None:
+                return
+            yield message
+
+    async def _next_reply(self):
+        try:
+            return await asyncio.wait_for(anext(self._replies), timeout=self.client.config.request_timeout)
+        except StopAsyncIteration:
+            raise ConnectionError(f"peer ...{self.peer_id[-6:]} closed the session stream") from None
+
+
+def _request(metadata: bytes):
+    from hivemind.proto import runtime_pb2
+
+    return runtime_pb2.ExpertRequest(metadata=metadata)
+
+
+class InferenceSession:
+    """Steps of one generation (``batch_size`` rows, up to ``max_length`` tokens) through the swarm."""
+
+    def __init__(self, client: SwarmClient, *, max_length: int, batch_size: int = 1) -> None:
+        if max_length < 1 or batch_size < 1:
+            raise ValueError("max_length and batch_size must be >= 1")
+        self.client, self.max_length, self.batch_size = client, max_length, batch_size
+        self.hops: list[SpanSession] = []
+        self.length = 0
+        self.recoveries = 0  # replacements made so far (for tests and benchmarks)
+
+    async def __aenter__(self) -> InferenceSession:
+        self.hops = await self._open_chain(0, self.client.model_config.num_layers)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        for hop in self.hops:
+            try:
+                await hop.close()
+            except Exception as e:
+                logger.debug("Closing a hop: %s", e)
+        self.hops = []
+
+    async def step(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states of the next tokens ``[batch, T, hidden]`` through all blocks."""
+        if hidden.shape[0] != self.batch_size:
+            raise ValueError(f"this session has batch size {self.batch_size}, got {hidden.shape[0]}")
+        if self.length + hidden.shape[1] > self.max_length:
+            total = self.length + hidden.shape[1]
+            raise ValueError(f"{total} tokens exceed the session's max_length {self.max_length}")
+        x = hidden.detach().to("cpu", self.client.dtype)
+        index, failures = 0, 0
+        while index < len(self.hops):
+            hop = self.hops[index]
+            t0 = time.perf_counter()
+            try:
+                out = await hop.step(x)
+            except RequestError:  # the peer refused our request with a reason: retrying elsewhere won't help
+                raise
+            except Exception as e:
+                failures += 1
+                await self._replace(index, e, failures)
+                continue
+            self.client.router.on_success(hop.peer_id, rtt=time.perf_counter() - t0)
+            x, index = out, index + 1
+        self.length += hidden.shape[1]
+        return x
+
+    async def _replace(self, index: int, error: BaseException, failures: int) -> None:
+        """Ban the failed hop's peer, route its blocks elsewhere and replay its history there."""
+        failed = self.hops[index]
+        self.client.router.on_failure(failed.peer_id, error)
+        failed.abandon()
+        if failures > self.client.config.max_retries:
+            raise RuntimeError(
+                f"blocks {failed.start}:{failed.end} failed {failures} times (last: {error}); "
+                f"check `swarm status` and that the peers serving them are reachable"
+            ) from error
+        await asyncio.sleep(min(0.05 * 2**failures, 2.0))
+        replacement = await self._open_chain(failed.start, failed.end)
+        if failed.history:
+            replay = torch.cat(failed.history, dim=1)
+            for hop in replacement:
+                replay = await hop.step(replay)
+        self.hops[index : index + 1] = replacement
+        self.recoveries += 1
+        logger.info("Replaced peer ...%s (blocks %d:%d) with %s after: %s", failed.peer_id[-6:], failed.start,
+                    failed.end, ", ".join(f"...{h.peer_id[-6:]} ({h.start}:{h.end})" for h in replacement), error)
+
+    async def _open_chain(self, start: int, end: int) -> list[SpanSession]:
+        attempts = 0
+        while True:
+            chain = await self.client.router.make_chain(start, end)
+            hops = [SpanSession(self.client, h.peer_id, h.start, h.end, secrets.token_hex(16)) for h in chain]
+            results = await asyncio.gather(*(h.open(self.max_length, self.batch_size) for h in hops),
+                                           return_exceptions=True)
+            failed = [(h, r) for h, r in zip(hops, results, strict=True) if isinstance(r, BaseException)]
+            if not failed:
+                return hops
+            for hop, result in zip(hops, results, strict=True):
+                if isinstance(result, BaseException):
+                    self.client.router.on_failure(hop.peer_id, result)
+                else:
+                    await hop.close()
+            attempts += 1
+            if attempts > self.client.config.max_retries:
+                raise RuntimeError(f"could not open an inference session for blocks {start}:{end}: {failed[0][1]}")
