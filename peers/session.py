@@ -58,7 +58,13 @@ class SpanSession:
 
     async def step(self, hidden: torch.Tensor) -> torch.Tensor:
         """Send tokens ``[length, length + T)``; return the hop's output hidden states."""
-        metadata = InferenceStep(position=self.length).to_bytes()
+        return await self.step_at(self.length, hidden)
+
+    async def step_at(self, position: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Send tokens ``[position, position + T)`` (below ``length`` rolls the peer's cache back)."""
+        self.length = min(self.length, position)
+        self.history = _truncate(self.history, position)
+        metadata = InferenceStep(position=position).to_bytes()
         for message in tensor_messages(hidden, metadata):
             await self._outbox.put(message)
         first = await self._next_reply()
@@ -97,6 +103,16 @@ class SpanSession:
             return await asyncio.wait_for(anext(self._replies), timeout=self.client.config.request_timeout)
         except StopAsyncIteration:
             raise ConnectionError(f"peer ...{self.peer_id[-6:]} closed the session stream") from None
+
+
+def _truncate(history: list[torch.Tensor], position: int) -> list[torch.Tensor]:
+    kept, total = [], 0
+    for x in history:
+        if total >= position:
+            break
+        kept.append(x[:, : position - total])
+        total += kept[-1].shape[1]
+    return kept
 
 
 def _request(metadata: bytes):
