@@ -3,12 +3,42 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+
+@contextlib.asynccontextmanager
+async def deadline(seconds: float) -> AsyncIterator[None]:
+    """Raise ``asyncio.TimeoutError`` if the block takes longer than ``seconds``.
+
+    Unlike ``asyncio.wait_for`` it creates no extra task, which matters on per-token paths.
+    """
+    if hasattr(asyncio, "timeout"):  # Python 3.11+
+        async with asyncio.timeout(seconds):
+            yield
+        return
+    task = asyncio.current_task()
+    expired = False
+
+    def expire() -> None:
+        nonlocal expired
+        expired = True
+        task.cancel()
+
+    handle = asyncio.get_running_loop().call_later(seconds, expire)
+    try:
+        yield
+    except asyncio.CancelledError:
+        if expired:
+            raise asyncio.TimeoutError from None
+        raise
+    finally:
+        handle.cancel()
 
 
 class BackgroundLoop:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -38,13 +39,18 @@ class StageBackend:
 
     Tasks that are waiting when the compute thread frees up, and that have the same kind, blocks, number of
     new tokens and dtype, are concatenated along the batch axis and run as one forward (up to
-    ``max_batch_size`` rows). Inference steps of sessions whose caches differ in length are batched with
-    left padding and a key mask.
+    ``max_batch_tokens`` tokens). Inference steps of sessions whose caches differ in length are batched
+    with left padding and a key mask.
     """
 
-    def __init__(self, blocks, *, start: int, device: torch.device, dtype: torch.dtype, max_batch_size: int):
+    def __init__(
+        self, blocks, *, start: int, device: torch.device, dtype: torch.dtype, max_batch_tokens: int = 2048,
+        active_sessions=lambda: 0,
+    ):
         self.blocks, self.start, self.end = blocks, start, start + len(blocks)
-        self.device, self.dtype, self.max_batch_size = device, dtype, max_batch_size
+        self.device, self.dtype, self.max_batch_tokens = device, dtype, max_batch_tokens
+        self.active_sessions = active_sessions  # how many inference steps may be on their way
+        self._spans: dict[tuple[int, int], object] = {}
         self._queue: asyncio.Queue[_Task] = asyncio.Queue()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
         self._runner: asyncio.Task | None = None
@@ -83,16 +89,19 @@ class StageBackend:
         while True:
             if not pending:
                 pending.append(await self._queue.get())
+                await self._gather_window()
             while not self._queue.empty():
                 pending.append(self._queue.get_nowait())
             pending = [t for t in pending if not t.future.done()]  # callers that timed out
             if not pending:
                 continue
-            batch, rest, rows, key = [], [], 0, pending[0].batch_key
+            batch, rest, tokens, key = [], [], 0, pending[0].batch_key
             for task in pending:
-                if task.batch_key == key and (not batch or rows + len(task.hidden) <= self.max_batch_size):
+                size = task.hidden.shape[0] * task.hidden.shape[1]
+                # the first task always runs, even alone above the limit: an empty batch would kill this loop
+                if task.batch_key == key and (not batch or tokens + size <= self.max_batch_tokens):
                     batch.append(task)
-                    rows += len(task.hidden)
+                    tokens += size
                 else:
                     rest.append(task)
             pending = rest
@@ -112,8 +121,26 @@ class StageBackend:
                 if not task.future.done():
                     task.future.set_result(output)
 
+    async def _gather_window(self, max_wait: float = 0.002) -> None:
+        """Let requests that are on their way reach the queue before a batch is formed.
+
+        A request needs several event-loop turns from the socket to the queue (read, parse, validate). With
+        one session or none there is nothing to wait for; with several, wait until a step of each active
+        session has arrived, the batch is full, or ``max_wait`` seconds have passed (sessions busy on other
+        peers do not come soon).
+        """
+        expected = min(self.active_sessions(), self.max_batch_tokens)
+        if expected <= 1:
+            return
+        deadline = time.perf_counter() + max_wait
+        while self._queue.qsize() + 1 < expected and time.perf_counter() < deadline:
+            await asyncio.sleep(0)
+
     def _span(self, task: _Task):
-        return self.blocks[task.start - self.start : task.end - self.start]
+        span = self._spans.get((task.start, task.end))
+        if span is None:  # slicing builds a module list: once per span, not per step
+            span = self._spans[task.start, task.end] = self.blocks[task.start - self.start : task.end - self.start]
+        return span
 
     @torch.inference_mode()
     def _compute_forward(self, batch: list[_Task]) -> list[torch.Tensor]:
@@ -155,7 +182,8 @@ class StageBackend:
             for j, (s, t) in enumerate(zip(sessions, batch, strict=True)):
                 rows = slice(offset, offset + len(t.hidden))
                 skip = longest - s.length  # left padding of this session
-                new_past[j].append((k[rows, :, skip:].clone(), v[rows, :, skip:].clone()))
+                # views, not copies: the next step concatenates them into fresh tensors anyway
+                new_past[j].append((k[rows, :, skip:], v[rows, :, skip:]))
                 offset += len(t.hidden)
         for s, past in zip(sessions, new_past, strict=True):
             s.past, s.length = past, s.length + new

@@ -56,7 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     peer.add_argument("--torch_dtype", default="float32", choices=["float32", "float16", "bfloat16", "auto"])
     peer.add_argument("--public_name", default="", help="a name shown in `swarm status`")
     peer.add_argument("--model_name", default=None, help="name of the model in the DHT (default: folder name)")
-    peer.add_argument("--max_batch_size", type=int, default=8, help="rows per forward (default 8)")
+    peer.add_argument("--max_batch_size", type=int, default=8, help="rows per request (default 8)")
+    peer.add_argument("--max_batch_tokens", type=int, default=2048,
+                      help="tokens per batched forward: requests that arrive together are combined up to this")
     peer.add_argument("--max_request_bytes", type=int, default=64 << 20, help="larger requests are refused")
     peer.add_argument("--request_timeout", type=float, default=60.0, help="deadline of one RPC, seconds")
     peer.add_argument("--update_period", type=float, default=15.0, help="seconds between announcements")
@@ -142,7 +144,7 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         model_dir=args.model_dir, swarm=_swarm_config(args), model_name=args.model_name,
         block_indices=args.block_indices, num_blocks=args.num_blocks, device=args.device,
         torch_dtype=args.torch_dtype, public_name=args.public_name, max_batch_size=args.max_batch_size,
-        max_request_bytes=args.max_request_bytes,
+        max_batch_tokens=args.max_batch_tokens, max_request_bytes=args.max_request_bytes,
         request_timeout=args.request_timeout, update_period=args.update_period, throughput=args.throughput,
         cache_dir=args.cache_dir, cache_tokens=args.cache_tokens, session_timeout=args.session_timeout,
     )

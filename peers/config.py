@@ -60,7 +60,8 @@ class StageServerConfig:
     device: str = "cpu"
     torch_dtype: str = "float32"  # float32 | float16 | bfloat16 | auto (the checkpoint's)
     public_name: str = ""
-    max_batch_size: int = 8  # rows per forward
+    max_batch_size: int = 8  # rows per request
+    max_batch_tokens: int = 2048  # tokens per batched forward (requests that arrive together are combined)
     max_request_bytes: int = 64 << 20  # larger requests are refused
     request_timeout: float = 60.0  # seconds: deadline of one RPC on this peer
     update_period: float = 15.0  # seconds between announcements; a record expires after ~2 periods
@@ -83,8 +84,8 @@ class StageServerConfig:
             raise ValueError(f"--device {self.device}: CUDA is not available on this machine; use --device cpu")
         if not self.swarm.new_swarm and not self.swarm.initial_peers:
             raise ValueError("pass --initial_peers (the line `swarm dht` printed) or --new_swarm to start a swarm")
-        for name in ("max_batch_size", "max_request_bytes", "request_timeout", "update_period", "cache_tokens",
-                     "session_timeout"):
+        for name in ("max_batch_size", "max_batch_tokens", "max_request_bytes", "request_timeout", "update_period",
+                     "cache_tokens", "session_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         self.cache_dir = Path(self.cache_dir)

@@ -60,16 +60,35 @@ def run_demo(workdir: Path) -> int:
                 t1 = time.perf_counter()
                 logits = client.forward(input_ids)
                 swarm_ms = 1e3 * (time.perf_counter() - t1)
-            reference, _ = LocalModel.from_dir(model_dir)(input_ids)
+            local = LocalModel.from_dir(model_dir)
+            reference, _ = local(input_ids)
             diff = (logits - reference).abs().max().item()
             print_status(client.model_name, client.records(), client.model_config.num_layers, console)
+            generated_ok = _generate(console, client, local, input_ids)
         finally:
             client.close()
-    ok = diff < 1e-4
+    ok = diff < 1e-4 and generated_ok
     console.print(
         f"Forward of {input_ids.shape[1]} tokens through 3 peers: {swarm_ms:.1f} ms; "
         f"max |swarm - local| logits = {diff:.2e} "
-        + ("[green]match[/green]" if ok else "[red]MISMATCH[/red]")
+        + ("[green]match[/green]" if diff < 1e-4 else "[red]MISMATCH[/red]")
     )
     console.print(f"Stopped every process the demo started ({time.perf_counter() - t0:.1f} s in all).")
     return 0 if ok else 1
+
+
+def _generate(console: Console, client, local, input_ids: torch.Tensor, new_tokens: int = 24) -> bool:
+    """Greedy generation through the swarm, tokens shown as they come; compared with the local model."""
+    console.print(f"Generating {new_tokens} tokens through the swarm (greedy; random weights, so the text is noise):")
+    t0, got = time.perf_counter(), []
+    for token in client.iter_generate(input_ids, new_tokens):
+        got.append(int(token[0]))
+        console.print(f" {got[-1]}", end="", highlight=False)
+    seconds = time.perf_counter() - t0
+    expected = local.generate_greedy(input_ids, new_tokens)[0, input_ids.shape[1]:].tolist()
+    same = got == expected
+    console.print(
+        f"\n{1e3 * seconds / new_tokens:.1f} ms per token; tokens "
+        + ("[green]equal the local model's greedy output[/green]" if same else "[red]DIFFER from the local model[/red]")
+    )
+    return same

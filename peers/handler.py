@@ -12,6 +12,7 @@ import torch
 from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
+from peers.aio import deadline
 from peers.backend import StageBackend
 from peers.protocol import (
     ForwardReply,
@@ -64,7 +65,8 @@ class StageHandler(StageService):
         try:
             while not closed:
                 try:
-                    message = await asyncio.wait_for(anext(requests), timeout=self.sessions.timeout)
+                    async with deadline(self.sessions.timeout):
+                        message = await anext(requests)
                 except StopAsyncIteration:  # stream broken without a close: keep the cache for a resume
                     break
                 except asyncio.TimeoutError:
@@ -76,8 +78,8 @@ class StageHandler(StageService):
                     if step.close:
                         closed = True
                         break
-                    output = await asyncio.wait_for(self._inference_step(session, step, requests, message),
-                                                    timeout=self.request_timeout)
+                    async with deadline(self.request_timeout):
+                        output = await self._inference_step(session, step, requests, message)
                 except (RequestError, ValueError, asyncio.TimeoutError) as e:
                     error = str(e) or f"step exceeded the deadline of {self.request_timeout:.0f} s"
                     logger.info("rpc_inference(session=%s) step refused: %s", session.session_id, error)

@@ -28,10 +28,22 @@ M = TypeVar("M", bound="Message")
 class Message:
     """A dataclass that packs to msgpack bytes and checks every field's type when unpacked."""
 
-    _types: ClassVar[dict[str, Any]] = {}
+    _fields: ClassVar[dict[type, list[tuple[str, Any, bool]]]] = {}  # per class: (name, type, required)
+
+    @classmethod
+    def _schema(cls) -> list[tuple[str, Any, bool]]:
+        schema = Message._fields.get(cls)
+        if schema is None:  # get_type_hints is slow: once per class, not per message
+            hints = get_type_hints(cls)
+            schema = [
+                (f.name, hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+                for f in dataclasses.fields(cls)
+            ]
+            Message._fields[cls] = schema
+        return schema
 
     def to_bytes(self) -> bytes:
-        return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
+        return msgpack.packb({name: getattr(self, name) for name, _, _ in self._schema()}, use_bin_type=True)
 
     @classmethod
     def from_bytes(cls: type[M], data: bytes) -> M:
@@ -41,19 +53,18 @@ class Message:
             raise ValueError(f"malformed {cls.__name__}: {e}") from e
         if not isinstance(raw, dict):
             raise ValueError(f"malformed {cls.__name__}: expected a map")
-        hints = get_type_hints(cls)
         kwargs = {}
-        for f in dataclasses.fields(cls):
-            if f.name not in raw:
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                    raise ValueError(f"malformed {cls.__name__}: missing field {f.name!r}")
+        for name, expected, required in cls._schema():
+            if name not in raw:
+                if required:
+                    raise ValueError(f"malformed {cls.__name__}: missing field {name!r}")
                 continue
-            value, expected = raw[f.name], hints[f.name]
+            value = raw[name]
             if expected is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
             if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-                raise ValueError(f"malformed {cls.__name__}: field {f.name!r} must be {expected.__name__}")
-            kwargs[f.name] = value
+                raise ValueError(f"malformed {cls.__name__}: field {name!r} must be {expected.__name__}")
+            kwargs[name] = value
         return cls(**kwargs)
 
 

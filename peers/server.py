@@ -67,12 +67,13 @@ class StageServer:
             logger.info("Loading blocks %d:%d of %s", start, end, self.model_name)
             blocks = load_blocks(self.config.model_dir, start, end, device=self.device, dtype=self.dtype)
             throughput = self.config.throughput or self._measure(blocks)
-            backend = StageBackend(
-                blocks, start=start, device=self.device, dtype=self.dtype, max_batch_size=self.config.max_batch_size
-            )
-            await backend.launch()
             sessions = SessionRegistry(cache_tokens=self.config.cache_tokens, timeout=self.config.session_timeout,
                                        max_length_limit=self.model_config.max_position_embeddings)
+            backend = StageBackend(
+                blocks, start=start, device=self.device, dtype=self.dtype,
+                max_batch_tokens=self.config.max_batch_tokens, active_sessions=sessions.attached_count,
+            )
+            await backend.launch()
             reaper = asyncio.create_task(_reap_forever(sessions))
             handler = StageHandler(backend, self._make_info(peer_id, start, end, throughput), sessions,
                                    request_timeout=self.config.request_timeout)

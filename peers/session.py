@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from hivemind.p2p import PeerID
 
+from peers.aio import deadline
 from peers.protocol import (
     InferenceOpen,
     InferenceReply,
@@ -62,8 +63,8 @@ class SpanSession:
 
     async def step_at(self, position: int, hidden: torch.Tensor) -> torch.Tensor:
         """Send tokens ``[position, position + T)`` (below ``length`` rolls the peer's cache back)."""
-        self.length = min(self.length, position)
-        self.history = _truncate(self.history, position)
+        if position < self.length:
+            self.length, self.history = position, _truncate(self.history, position)
         metadata = InferenceStep(position=position).to_bytes()
         for message in tensor_messages(hidden, metadata):
             await self._outbox.put(message)
@@ -100,7 +101,8 @@ class SpanSession:
 
     async def _next_reply(self):
         try:
-            return await asyncio.wait_for(anext(self._replies), timeout=self.client.config.request_timeout)
+            async with deadline(self.client.config.request_timeout):
+                return await anext(self._replies)
         except StopAsyncIteration:
             raise ConnectionError(f"peer ...{self.peer_id[-6:]} closed the session stream") from None
 

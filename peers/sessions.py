@@ -55,6 +55,10 @@ class SessionRegistry:
     def tokens_used(self) -> int:
         return sum(s.reserved_tokens for s in self.sessions.values())
 
+    def attached_count(self) -> int:
+        """Sessions with a live stream: how many steps may arrive together."""
+        return sum(1 for s in self.sessions.values() if s.attached)
+
     @property
     def tokens_free(self) -> int:
         return self.cache_tokens - self.tokens_used

@@ -76,13 +76,13 @@ class Recorder:
         return [b["rows"] for b in self.batches]
 
 
-def run_backend(blocks, body, *, start: int = 0, max_batch_size: int = 8):
+def run_backend(blocks, body, *, start: int = 0, max_batch_tokens: int = 2048):
     """Run ``await body(backend, recorder)`` against a launched backend, always shutting it down."""
 
     async def main():
         recorder = Recorder(blocks)
         backend = StageBackend(recorder.blocks, start=start, device=torch.device("cpu"), dtype=torch.float32,
-                               max_batch_size=max_batch_size)
+                               max_batch_tokens=max_batch_tokens)
         recorder.backend = backend
         await backend.launch()
         try:
@@ -118,7 +118,7 @@ def test_concurrent_requests_are_batched(blocks, requests, rows, seq, max_batch_
         together = await asyncio.gather(*(backend.forward(h, 0, 8) for h in hidden))
         return alone, together, backend.batches_run - requests, recorder.rows[requests:]
 
-    alone, together, batches, batch_rows = run_backend(blocks, body, max_batch_size=max_batch_size)
+    alone, together, batches, batch_rows = run_backend(blocks, body, max_batch_tokens=max_batch_size * seq)
     per_batch = max_batch_size // rows
     assert batches == math.ceil(requests / per_batch) < requests
     assert all(r <= max_batch_size for r in batch_rows)
@@ -191,7 +191,7 @@ def test_rows_beyond_max_batch_size_are_split(blocks, request_rows, max_batch_si
     async def body(backend, recorder):
         return await asyncio.gather(*(backend.forward(h, 1, 6) for h in hidden)), recorder.rows
 
-    outputs, rows = run_backend(blocks, body, max_batch_size=max_batch_size)
+    outputs, rows = run_backend(blocks, body, max_batch_tokens=max_batch_size * 3)  # 3 tokens per row
     assert rows == expected_rows
     for h, out in zip(hidden, outputs, strict=True):
         assert out.shape == h.shape
