@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import tempfile
@@ -46,6 +47,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
     torch.set_grad_enabled(False)
+    torch.set_num_threads(1)  # like each peer process (LocalSwarm starts them with --num_threads 1)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="fusionswarm-bench-"))
     model_dir = make_tiny_model(workdir / "llama-bench", seed=0, **MODEL)
     local = LocalModel.from_dir(model_dir)
@@ -70,7 +72,7 @@ def main() -> None:
         "benchmark": "forward",
         "model": {**MODEL, "dtype": "float32"},
         "peers": 2,
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, 1 torch thread per process",
         "latency_1x16_ms": {"local": round(1e3 * local_lat, 2), "swarm_2_peers": round(1e3 * swarm_lat, 2),
                             "swarm_minus_local": round(1e3 * (swarm_lat - local_lat), 2)},
         "throughput_8x128_tokens_per_s": {

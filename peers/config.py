@@ -100,6 +100,8 @@ class ClientConfig:
     device: str = "cpu"
     torch_dtype: str = "float32"
     request_timeout: float = 30.0  # seconds per RPC
+    step_timeout_factor: float = 25.0  # a generation step times out after this many typical step times ...
+    min_step_timeout: float = 1.0  # ... but never sooner than this many seconds (nor later than request_timeout)
     max_retries: int = 5  # re-routes of one call before giving up
     refresh_period: float = 5.0  # seconds between DHT snapshots
     ban_time: float = 2.0  # first ban of a failing peer, doubled on each failure
@@ -110,3 +112,5 @@ class ClientConfig:
             raise ValueError(f"torch_dtype must be one of {list(DTYPES)}")
         if self.request_timeout <= 0 or self.max_retries < 0:
             raise ValueError("request_timeout must be positive and max_retries >= 0")
+        if self.step_timeout_factor <= 1 or self.min_step_timeout <= 0:
+            raise ValueError("step_timeout_factor must be > 1 and min_step_timeout positive")

@@ -46,6 +46,7 @@ class SpanSession:
         self.length = 0
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._replies = None
+        self._step_seconds: float | None = None  # EMA of this hop's single-token step time
 
     async def open(self, max_length: int, batch_size: int) -> None:
         stub = StageService.get_stub(self.client.node.p2p, PeerID.from_base58(self.peer_id))
@@ -66,9 +67,10 @@ class SpanSession:
         if position < self.length:
             self.length, self.history = position, _truncate(self.history, position)
         metadata = InferenceStep(position=position).to_bytes()
+        t0 = time.perf_counter()
         for message in tensor_messages(hidden, metadata):
             await self._outbox.put(message)
-        first = await self._next_reply()
+        first = await self._next_reply(self._step_timeout(hidden.shape[1]))
         reply = InferenceReply.from_bytes(first.metadata)
         if reply.error:
             raise RequestError(f"peer ...{self.peer_id[-6:]} refused a step: {reply.error}")
@@ -81,7 +83,18 @@ class SpanSession:
         _, output = await read_tensor_messages(rest(), MAX_REPLY_BYTES)
         self.history.append(hidden)
         self.length += hidden.shape[1]
+        if hidden.shape[1] == 1:
+            elapsed = time.perf_counter() - t0
+            self._step_seconds = elapsed if self._step_seconds is None else 0.9 * self._step_seconds + 0.1 * elapsed
         return output
+
+    def _step_timeout(self, tokens: int) -> float:
+        """A dead peer is noticed in a few typical step times, not after the whole request timeout."""
+        config = self.client.config
+        if tokens > 1 or self._step_seconds is None:
+            return config.request_timeout
+        adaptive = max(config.min_step_timeout, config.step_timeout_factor * self._step_seconds)
+        return min(config.request_timeout, adaptive)
 
     async def close(self) -> None:
         """Tell the peer to free the cache now, then end the stream."""
@@ -99,9 +112,9 @@ class SpanSession:
                 return
             yield message
 
-    async def _next_reply(self):
+    async def _next_reply(self, timeout: float | None = None):
         try:
-            async with deadline(self.client.config.request_timeout):
+            async with deadline(timeout or self.client.config.request_timeout):
                 return await anext(self._replies)
         except StopAsyncIteration:
             raise ConnectionError(f"peer ...{self.peer_id[-6:]} closed the session stream") from None
