@@ -78,11 +78,12 @@ class StageServer:
             handler = StageHandler(backend, self._make_info(peer_id, start, end, throughput), sessions,
                                    request_timeout=self.config.request_timeout)
             await handler.add_p2p_handlers(self.node.p2p)
-            announcer.update(state=PeerState.ONLINE, throughput=throughput)
+            addresses = tuple(self.config.swarm.announce_maddrs) or tuple(await visible_maddrs(self.node))
+            announcer.update(state=PeerState.ONLINE, throughput=throughput, addresses=addresses)
             self.record = announcer.record
             logger.info(
                 "Serving blocks %d:%d of %s as peer %s (%.0f tokens/s per block); addresses: %s",
-                start, end, self.model_name, peer_id, throughput, " ".join(await visible_maddrs(self.node)),
+                start, end, self.model_name, peer_id, throughput, " ".join(addresses),
             )
             self.ready.set()
             await stop.wait()

@@ -28,6 +28,8 @@ def test_chain_uses_both_peers(llama_client, llama_swarm):
     assert sorted((r.start, r.end) for r in records) == [(0, 4), (4, 8)]
     assert {r.peer_id for r in records} == {p.peer_id for p in llama_swarm.processes[1:]}
     assert all(r.state.value == "online" and r.throughput > 0 for r in records)
+    for record in records:  # each record names addresses that reach that very peer
+        assert record.addresses and all(a.endswith(f"/p2p/{record.peer_id}") for a in record.addresses)
 
 
 def test_partial_span_through_one_peer(llama_client, llama_dir):
