@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
+from peers.aio import deadline
 from peers.sessions import Session
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ class StageBackend:
         self.device, self.dtype, self.max_batch_tokens = device, dtype, max_batch_tokens
         self.active_sessions = active_sessions  # how many inference steps may be on their way
         self._spans: dict[tuple[int, int], object] = {}
+        self._arrived = asyncio.Event()  # set whenever a task is queued
         self._queue: asyncio.Queue[_Task] = asyncio.Queue()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
         self._runner: asyncio.Task | None = None
@@ -82,6 +83,7 @@ class StageBackend:
 
     async def _submit(self, task: _Task) -> torch.Tensor:
         await self._queue.put(task)
+        self._arrived.set()
         return await task.future
 
     async def _run(self) -> None:
@@ -125,16 +127,20 @@ class StageBackend:
         """Let requests that are on their way reach the queue before a batch is formed.
 
         A request needs several event-loop turns from the socket to the queue (read, parse, validate). With
-        one session or none there is nothing to wait for; with several, wait until a step of each active
-        session has arrived, the batch is full, or ``max_wait`` seconds have passed (sessions busy on other
-        peers do not come soon).
+        one session or none there is nothing to wait for; with several, wait (without spinning: other
+        processes may need the CPU) until a step of each active session has arrived, or ``max_wait``
+        seconds have passed (sessions busy on other peers do not come soon).
         """
-        expected = min(self.active_sessions(), self.max_batch_tokens)
+        expected = self.active_sessions()
         if expected <= 1:
             return
-        deadline = time.perf_counter() + max_wait
-        while self._queue.qsize() + 1 < expected and time.perf_counter() < deadline:
-            await asyncio.sleep(0)
+        try:
+            async with deadline(max_wait):
+                while self._queue.qsize() + 1 < expected:
+                    self._arrived.clear()
+                    await self._arrived.wait()
+        except asyncio.TimeoutError:
+            pass
 
     def _span(self, task: _Task):
         span = self._spans.get((task.start, task.end))

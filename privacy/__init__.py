@@ -1,12 +1,20 @@
 """privacy: who may take part in a swarm, and what the wire reveals.
 
-This package depends on nothing else of fusionswarm. It is wrapped around the wire by ``peers/``;
-handlers never branch on privacy. Planned modules, in data-flow order (see the privacy issue):
+This package depends on nothing else of fusionswarm (only ``cryptography``, ``msgpack`` and, in ``records.py``,
+``hivemind``). It is wrapped around the wire by ``peers/``; handlers never branch on privacy. Modules, in
+data-flow order:
 
-- ``identity.py``: load or create a peer's Ed25519 identity key (file mode 0600).
-- ``membership.py``: owner key, member certificates and revocations, the RPC authorizer.
-- ``records.py``: a DHT record validator that signs, checks and encrypts records of a private swarm.
-- ``channel.py``: X25519 session key agreement and AEAD encryption of serialized tensors.
+- ``errors.py``: ``PrivacyError`` (a ``ValueError``) and its ``MembershipError`` and ``ChannelError``.
+- ``identity.py``: a peer's Ed25519 ``Identity``, loaded or created in a file of mode 0600; ``verify_signature``.
+- ``certificates.py``: wire formats: ``Certificate``, ``Revocation``, ``SwarmInfo`` (public ``swarm.pub``),
+  ``MemberCredentials`` (what an invite hands to a member, mode 0600).
+- ``membership.py``: ``SwarmOwner`` (invite, revoke), ``MembershipVerifier`` (certificates, revocations, RPC proofs
+  from ``make_proof`` bound to a context and checked against replay). Re-exports the wire formats.
+- ``records.py``: ``PrivateRecordValidator``, a hivemind record validator that signs, checks and encrypts records of
+  a private swarm; members store under ``member_subkey(own public key)``.
+- ``channel.py``: ``ClientHandshake`` / ``accept_handshake`` (X25519 + HKDF, peer authenticated by its identity)
+  giving a ``SecureChannel`` that seals and opens serialized tensors with AES-256-GCM, in order, once each.
+- ``_files.py``: private: atomic 0600 writes and refusal of files others may read.
 
-Until those land, a swarm is public: anyone who knows a bootstrap address can join and read activations.
+Without a swarm owner key a swarm is public: anyone who knows a bootstrap address can join and read activations.
 """

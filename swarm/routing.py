@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import logging
 import time
@@ -135,10 +136,22 @@ class Router:
             self.rtt[peer_id] = rtt if old is None else 0.8 * old + 0.2 * rtt
 
     async def make_chain(self, start: int, end: int) -> list[Hop]:
-        """A chain for ``[start, end)``; refreshes the snapshot once if the cached one has no chain."""
+        """A chain for ``[start, end)``.
+
+        If the cached snapshot has none, refresh it; if only banned peers could serve the span, wait for the
+        earliest of their bans to end (a transient failure of every replica must not fail the request).
+        """
         await self.refresh()
         try:
             return make_chain(self.records, start, end, rtt=self.rtt, banned=self.banned(), model=self.model)
         except MissingBlocksError:
             await self.refresh(force=True)
+        try:
+            return make_chain(self.records, start, end, rtt=self.rtt, banned=self.banned(), model=self.model)
+        except MissingBlocksError:
+            make_chain(self.records, start, end, rtt=self.rtt, model=self.model)  # raises if bans are not the cause
+            now = time.monotonic()
+            wait = min((until for until, _ in self._bans.values() if until > now), default=now) - now
+            logger.info("Every peer that serves blocks %d:%d is banned; retrying in %.1f s", start, end, wait)
+            await asyncio.sleep(max(0.0, wait))
             return make_chain(self.records, start, end, rtt=self.rtt, banned=self.banned(), model=self.model)

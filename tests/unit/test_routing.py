@@ -333,3 +333,21 @@ def test_router_refresh_force(clock):
 
     assert asyncio.run(main()) == [rec("B", 0, 8)]
     assert fetch.calls == 2
+
+
+def test_router_waits_for_a_ban_to_end_when_only_banned_peers_serve_a_span():
+    import asyncio
+
+    from swarm.records import PeerRecord, PeerState
+    from swarm.routing import Router
+
+    peer = "12D3KooW" + "A" * 44
+    record = PeerRecord(peer_id=peer, model="m", start=0, end=4, state=PeerState.ONLINE, throughput=10.0)
+
+    async def fetch():
+        return [record]
+
+    router = Router(fetch, model="m", ban_time=0.3)
+    router.on_failure(peer, RuntimeError("transient"))
+    chain = asyncio.run(router.make_chain(0, 4))  # waits ~0.3 s instead of failing
+    assert [(h.peer_id, h.start, h.end) for h in chain] == [(peer, 0, 4)]
