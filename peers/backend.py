@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from peers.aio import deadline
 from peers.sessions import Session
 
 logger = logging.getLogger(__name__)
@@ -51,7 +50,6 @@ class StageBackend:
         self.device, self.dtype, self.max_batch_tokens = device, dtype, max_batch_tokens
         self.active_sessions = active_sessions  # how many inference steps may be on their way
         self._spans: dict[tuple[int, int], object] = {}
-        self._arrived = asyncio.Event()  # set whenever a task is queued
         self._queue: asyncio.Queue[_Task] = asyncio.Queue()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
         self._runner: asyncio.Task | None = None
@@ -83,7 +81,6 @@ class StageBackend:
 
     async def _submit(self, task: _Task) -> torch.Tensor:
         await self._queue.put(task)
-        self._arrived.set()
         return await task.future
 
     async def _run(self) -> None:
@@ -123,24 +120,21 @@ class StageBackend:
                 if not task.future.done():
                     task.future.set_result(output)
 
-    async def _gather_window(self, max_wait: float = 0.002) -> None:
-        """Let requests that are on their way reach the queue before a batch is formed.
+    async def _gather_window(self, max_rounds: int = 4) -> None:
+        """Let the other parts of a multi-session message reach the queue before a batch is formed.
 
-        A request needs several event-loop turns from the socket to the queue (read, parse, validate). With
-        one session or none there is nothing to wait for; with several, wait (without spinning: other
-        processes may need the CPU) until a step of each active session has arrived, or ``max_wait``
-        seconds have passed (sessions busy on other peers do not come soon).
+        A client sends the concurrent steps of its sessions in one message, and the handler submits them
+        together: they arrive within a few event-loop turns. Waiting longer for other clients would only add
+        latency (they come when they come), so the window stops as soon as a turn adds nothing.
         """
-        expected = self.active_sessions()
-        if expected <= 1:
+        if self.active_sessions() <= 1:
             return
-        try:
-            async with deadline(max_wait):
-                while self._queue.qsize() + 1 < expected:
-                    self._arrived.clear()
-                    await self._arrived.wait()
-        except asyncio.TimeoutError:
-            pass
+        size = self._queue.qsize()
+        for _ in range(max_rounds):
+            await asyncio.sleep(0)
+            if self._queue.qsize() == size:
+                return
+            size = self._queue.qsize()
 
     def _span(self, task: _Task):
         span = self._spans.get((task.start, task.end))

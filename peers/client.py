@@ -12,10 +12,11 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
-from peers.aio import BackgroundLoop
+from peers.aio import BackgroundLoop, deadline
 from peers.config import DTYPES, ClientConfig, SwarmConfig
 from peers.generation import SamplingConfig, generate_stream
 from peers.model import ModelConfig, load_client_parts
+from peers.peer_stream import PeerStream
 from peers.protocol import (
     ForwardReply,
     ForwardRequest,
@@ -75,6 +76,8 @@ class SwarmClient:
         except BaseException:
             self._loop.close()
             raise
+        self._streams: dict[str, PeerStream] = {}
+        self._stream_locks: dict[str, asyncio.Lock] = {}
         self.router = Router(
             self._fetch,
             model=self.model_name,
@@ -146,6 +149,8 @@ class SwarmClient:
     def close(self) -> None:
         if self._loop.loop.is_closed():
             return
+        for stream in list(self._streams.values()):
+            self._loop.loop.call_soon_threadsafe(stream.shutdown)
         try:
             self._loop.run(self.node.shutdown(), timeout=15)
         except Exception as e:
@@ -210,6 +215,16 @@ class SwarmClient:
             return output
 
         return await asyncio.wait_for(exchange(), timeout=self.config.request_timeout)
+
+    async def peer_stream(self, peer_id: str) -> PeerStream:
+        """This client's inference stream to ``peer_id`` (opened on first use, replaced once it breaks)."""
+        lock = self._stream_locks.setdefault(peer_id, asyncio.Lock())
+        async with lock:
+            stream = self._streams.get(peer_id)
+            if stream is None or stream.closed:
+                async with deadline(self.config.request_timeout):
+                    stream = self._streams[peer_id] = await PeerStream.connect(self.node.p2p, peer_id)
+            return stream
 
     async def _info(self, peer_id: str) -> StageInfo:
         stub = StageService.get_stub(self.node.p2p, PeerID.from_base58(peer_id))

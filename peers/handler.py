@@ -12,21 +12,18 @@ import torch
 from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
-from peers.aio import deadline
 from peers.backend import StageBackend
+from peers.inference_rpc import InferenceRPC
 from peers.protocol import (
     ForwardReply,
     ForwardRequest,
-    InferenceOpen,
-    InferenceReply,
-    InferenceStep,
     RequestError,
     StageInfo,
     StageService,
     read_tensor_messages,
     tensor_messages,
 )
-from peers.sessions import Session, SessionRegistry
+from peers.sessions import SessionRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +35,8 @@ class StageHandler(StageService):
         self, backend: StageBackend, info: StageInfo, sessions: SessionRegistry, *, request_timeout: float
     ) -> None:
         self.backend, self.info, self.sessions, self.request_timeout = backend, info, sessions, request_timeout
+        self.inference = InferenceRPC(backend, info, sessions, request_timeout=request_timeout,
+                                      check_hidden=self._check_hidden)
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         info = dataclasses.replace(
@@ -49,67 +48,8 @@ class StageHandler(StageService):
     async def rpc_inference(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        try:
-            first = await asyncio.wait_for(anext(requests), timeout=self.request_timeout)
-            session = self.sessions.open(InferenceOpen.from_bytes(first.metadata), str(context.remote_id),
-                                         (self.info.start, self.info.end))
-        except (RequestError, ValueError) as e:
-            logger.info("rpc_inference(peer=...%s) refused: %s", _short(context), e)
-            yield _inference_reply(error=str(e))
-            return
-        except (StopAsyncIteration, asyncio.TimeoutError):
-            return
-        logger.debug("Session %s opened for blocks %d:%d", session.session_id, session.start, session.end)
-        yield _inference_reply(length=session.length)
-        closed = False
-        try:
-            while not closed:
-                try:
-                    async with deadline(self.sessions.timeout):
-                        message = await anext(requests)
-                except StopAsyncIteration:  # stream broken without a close: keep the cache for a resume
-                    break
-                except asyncio.TimeoutError:
-                    closed = True
-                    yield _inference_reply(error=f"session idle for {self.sessions.timeout:.0f} s; its cache is freed")
-                    break
-                try:
-                    step = InferenceStep.from_bytes(message.metadata)
-                    if step.close:
-                        closed = True
-                        break
-                    async with deadline(self.request_timeout):
-                        output = await self._inference_step(session, step, requests, message)
-                except (RequestError, ValueError, asyncio.TimeoutError) as e:
-                    error = str(e) or f"step exceeded the deadline of {self.request_timeout:.0f} s"
-                    logger.info("rpc_inference(session=%s) step refused: %s", session.session_id, error)
-                    yield _inference_reply(error=error, length=session.length)
-                    continue
-                reply = InferenceReply(length=session.length).to_bytes()
-                for chunk in tensor_messages(output, reply, runtime_pb2.ExpertResponse):
-                    yield chunk
-        finally:
-            if closed:
-                self.sessions.close(session.session_id)
-            else:
-                self.sessions.detach(session.session_id)
-
-    async def _inference_step(
-        self, session: Session, step: InferenceStep, requests: AsyncIterator, message: runtime_pb2.ExpertRequest
-    ) -> torch.Tensor:
-        _, hidden = await read_tensor_messages(requests, self.info.max_request_bytes, first=message)
-        self._check_hidden(hidden)
-        if hidden.shape[0] != session.batch_size:
-            raise RequestError(f"this session has batch size {session.batch_size}, got {hidden.shape[0]} rows")
-        if not 0 <= step.position <= session.length:
-            raise RequestError(f"step starts at token {step.position} but the session holds {session.length}")
-        if step.position + hidden.shape[1] > session.max_length:
-            raise RequestError(
-                f"step would reach {step.position + hidden.shape[1]} tokens, beyond the session's max_length "
-                f"{session.max_length}; open a session with a larger max_length"
-            )
-        session.last_used = time.monotonic()
-        return await self.backend.inference_step(session, hidden, step.position)
+        async for response in self.inference.serve(requests, context):
+            yield response
 
     async def rpc_forward(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -148,20 +88,16 @@ class StageHandler(StageService):
                 f"refresh your view of the swarm and route that span elsewhere"
             )
 
-    def _check_hidden(self, hidden: torch.Tensor) -> None:
-        info = self.info
+    def _check_hidden(self, hidden: torch.Tensor, max_rows: int | None = None) -> None:
+        info, max_rows = self.info, max_rows or self.info.max_batch_size
         if hidden.ndim != 3 or hidden.shape[-1] != info.hidden_size:
             raise RequestError(f"hidden states must be [batch, seq, {info.hidden_size}], got {list(hidden.shape)}")
-        if not 1 <= hidden.shape[0] <= info.max_batch_size:
-            raise RequestError(f"batch of {hidden.shape[0]} is above this peer's limit of {info.max_batch_size}")
+        if not 1 <= hidden.shape[0] <= max_rows:
+            raise RequestError(f"batch of {hidden.shape[0]} is above this peer's limit of {max_rows}")
         if not 1 <= hidden.shape[1] <= info.max_seq_len:
             raise RequestError(f"sequence of {hidden.shape[1]} tokens; this model takes 1..{info.max_seq_len}")
         if not torch.isfinite(hidden).all():
             raise RequestError("hidden states contain NaN or infinite values")
-
-
-def _inference_reply(*, error: str = "", length: int = 0) -> runtime_pb2.ExpertResponse:
-    return runtime_pb2.ExpertResponse(metadata=InferenceReply(error=error, length=length).to_bytes())
 
 
 async def _drain(requests: AsyncIterator, timeout: float = 5.0) -> None:

@@ -85,30 +85,65 @@ class ForwardReply(Message):
 
 @dataclasses.dataclass(frozen=True)
 class InferenceOpen(Message):
-    """First message of an inference stream: open (or, with ``resume``, re-attach to) a session."""
+    """Open a session on this stream (or, with ``resume``, re-attach a detached one of the same client)."""
 
     session_id: str  # random, chosen by the client; bound to the client's peer id
     start: int
     end: int
     max_length: int  # tokens the session may hold (prompt + new tokens)
     batch_size: int
-    resume: bool = False  # re-attach to a live session after a broken stream
+    resume: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class InferenceStep(Message):
-    """One step: hidden states of tokens ``[position, position + T)``; ``close`` ends the session."""
+    """Steps of one or more sessions of this stream; their rows are concatenated in one tensor, in order.
 
-    position: int = 0  # where these tokens start; < the session's length rolls the cache back to it
-    close: bool = False
+    Each session's tokens start at its ``positions[i]``; a position below the session's length rolls its
+    cache back to it. All parts have the same number of new tokens.
+    """
+
+    session_ids: list  # of str
+    positions: list  # of int
+
+
+@dataclasses.dataclass(frozen=True)
+class InferenceClose(Message):
+    """Free these sessions now, or with ``detach`` keep them (until the timeout) for a resume elsewhere."""
+
+    session_ids: list  # of str
+    detach: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class InferenceReply(Message):
-    """Reply to an open or a step; ``error`` explains a refusal (the session stays as it was)."""
+    """Reply to an open or a step. ``error`` refuses the whole message; ``errors[i]`` refuses part i only
+    (its session stays as it was). The tensor holds the outputs of the accepted parts, in order."""
 
     error: str = ""
-    length: int = 0  # tokens the session holds after this step
+    errors: list = dataclasses.field(default_factory=list)  # of str, one per part of a step
+    length: int = 0  # tokens the session holds after an open
+
+
+INFERENCE_KINDS: dict[str, type[Message]] = {"open": InferenceOpen, "step": InferenceStep, "close": InferenceClose}
+
+
+def pack_inference(message: Message) -> bytes:
+    """An inference request's metadata: its fields plus its kind."""
+    kind = next(k for k, cls in INFERENCE_KINDS.items() if isinstance(message, cls))
+    return msgpack.packb({"kind": kind, **{n: getattr(message, n) for n, _, _ in message._schema()}},
+                         use_bin_type=True)
+
+
+def unpack_inference(data: bytes) -> Message:
+    """Parse an inference request; ``ValueError`` if it is malformed or of an unknown kind."""
+    try:
+        kind = msgpack.unpackb(data, raw=False).get("kind")
+    except Exception as e:
+        raise ValueError(f"malformed inference request: {e}") from e
+    if kind not in INFERENCE_KINDS:
+        raise ValueError(f"unknown inference request kind {kind!r}; expected one of {sorted(INFERENCE_KINDS)}")
+    return INFERENCE_KINDS[kind].from_bytes(data)
 
 
 @dataclasses.dataclass(frozen=True)

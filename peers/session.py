@@ -1,7 +1,8 @@
 """``InferenceSession``: a generation's steps through a chain of peers, with replay onto replacements.
 
-Each hop of the chain is a ``SpanSession``: one long-lived stream to one peer, which keeps the KV cache of
-its blocks. The client remembers every input it sent to a hop (its history); when a peer fails, the
+Each hop of the chain is a ``SpanSession``: a session on one peer, which keeps the KV cache of its blocks;
+it travels over the client's one stream to that peer (``PeerStream``), shared with the client's other
+sessions there. The client remembers every input it sent to a hop (its history); when a peer fails, the
 session bans it, routes the hop's blocks to other peers and replays the history there to rebuild the
 cache, so greedy generation continues with the same tokens.
 """
@@ -15,17 +16,11 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
-from hivemind.p2p import PeerID
 
-from peers.aio import deadline
+from peers.peer_stream import PeerStream
 from peers.protocol import (
     InferenceOpen,
-    InferenceReply,
-    InferenceStep,
     RequestError,
-    StageService,
-    read_tensor_messages,
-    tensor_messages,
 )
 
 if TYPE_CHECKING:
@@ -37,26 +32,25 @@ MAX_REPLY_BYTES = 1 << 30
 
 
 class SpanSession:
-    """One stream to one peer for blocks ``[start, end)``."""
+    """One session on one peer for blocks ``[start, end)``, over the client's shared stream to that peer."""
 
     def __init__(self, client: SwarmClient, peer_id: str, start: int, end: int, session_id: str) -> None:
         self.client, self.peer_id, self.start, self.end = client, peer_id, start, end
         self.session_id = session_id
         self.history: list[torch.Tensor] = []  # inputs sent, in order
         self.length = 0
-        self._outbox: asyncio.Queue = asyncio.Queue()
-        self._replies = None
+        self._stream: PeerStream | None = None
         self._step_seconds: float | None = None  # EMA of this hop's single-token step time
 
-    async def open(self, max_length: int, batch_size: int) -> None:
-        stub = StageService.get_stub(self.client.node.p2p, PeerID.from_base58(self.peer_id))
+    async def open(self, max_length: int, batch_size: int, *, resume: bool = False) -> None:
+        """Open the session on the peer (``resume``: re-attach this client's detached session)."""
+        self._stream = await self.client.peer_stream(self.peer_id)
         request = InferenceOpen(session_id=self.session_id, start=self.start, end=self.end,
-                                max_length=max_length, batch_size=batch_size)
-        await self._outbox.put(_request(request.to_bytes()))
-        self._replies = await stub.rpc_inference(self._requests())
-        reply = InferenceReply.from_bytes((await self._next_reply()).metadata)
+                                max_length=max_length, batch_size=batch_size, resume=resume)
+        reply = await self._stream.open(request, self.client.config.request_timeout)
         if reply.error:
             raise RequestError(f"peer ...{self.peer_id[-6:]} refused the session: {reply.error}")
+        self.length = reply.length
 
     async def step(self, hidden: torch.Tensor) -> torch.Tensor:
         """Send tokens ``[length, length + T)``; return the hop's output hidden states."""
@@ -64,23 +58,12 @@ class SpanSession:
 
     async def step_at(self, position: int, hidden: torch.Tensor) -> torch.Tensor:
         """Send tokens ``[position, position + T)`` (below ``length`` rolls the peer's cache back)."""
+        if self._stream is None:
+            raise RuntimeError("open the session first")
         if position < self.length:
             self.length, self.history = position, _truncate(self.history, position)
-        metadata = InferenceStep(position=position).to_bytes()
         t0 = time.perf_counter()
-        for message in tensor_messages(hidden, metadata):
-            await self._outbox.put(message)
-        first = await self._next_reply(self._step_timeout(hidden.shape[1]))
-        reply = InferenceReply.from_bytes(first.metadata)
-        if reply.error:
-            raise RequestError(f"peer ...{self.peer_id[-6:]} refused a step: {reply.error}")
-
-        async def rest():
-            yield first
-            while True:
-                yield await self._next_reply()
-
-        _, output = await read_tensor_messages(rest(), MAX_REPLY_BYTES)
+        output = await self._stream.step(self.session_id, position, hidden, self._step_timeout(hidden.shape[1]))
         self.history.append(hidden)
         self.length += hidden.shape[1]
         if hidden.shape[1] == 1:
@@ -97,27 +80,14 @@ class SpanSession:
         return min(config.request_timeout, adaptive)
 
     async def close(self) -> None:
-        """Tell the peer to free the cache now, then end the stream."""
-        await self._outbox.put(_request(InferenceStep(close=True).to_bytes()))
-        await self._outbox.put(None)
+        """Tell the peer to free the cache now."""
+        if self._stream is not None:
+            self._stream.close_sessions([self.session_id])
 
     def abandon(self) -> None:
-        """End the stream without waiting (the peer frees the cache after its timeout)."""
-        self._outbox.put_nowait(None)
-
-    async def _requests(self):
-        while True:
-            message = await self._outbox.get()
-            if message is None:
-                return
-            yield message
-
-    async def _next_reply(self, timeout: float | None = None):
-        try:
-            async with deadline(timeout or self.client.config.request_timeout):
-                return await anext(self._replies)
-        except StopAsyncIteration:
-            raise ConnectionError(f"peer ...{self.peer_id[-6:]} closed the session stream") from None
+        """Leave the session without freeing it: the peer keeps the cache for a resume until its timeout."""
+        if self._stream is not None:
+            self._stream.close_sessions([self.session_id], detach=True)
 
 
 def _truncate(history: list[torch.Tensor], position: int) -> list[torch.Tensor]:
@@ -128,12 +98,6 @@ def _truncate(history: list[torch.Tensor], position: int) -> list[torch.Tensor]:
         kept.append(x[:, : position - total])
         total += kept[-1].shape[1]
     return kept
-
-
-def _request(metadata: bytes):
-    from hivemind.proto import runtime_pb2
-
-    return runtime_pb2.ExpertRequest(metadata=metadata)
 
 
 class InferenceSession:

@@ -111,10 +111,9 @@ class SessionRegistry:
             session.attached, session.last_used = False, time.monotonic()
 
     def reap(self) -> list[str]:
-        """Free detached sessions idle for longer than ``timeout``; returns their ids."""
+        """Free sessions unused for longer than ``timeout`` (idle, or detached and never resumed)."""
         now = time.monotonic()
-        expired = [s.session_id for s in self.sessions.values()
-                   if not s.attached and now - s.last_used > self.timeout]
+        expired = [s.session_id for s in self.sessions.values() if now - s.last_used > self.timeout]
         for session_id in expired:
             logger.info("Freed idle session %s", session_id)
             self.close(session_id)

@@ -14,7 +14,7 @@ import torch
 from peers.client import SwarmClient
 from peers.launch import LocalSwarm
 from peers.model import LocalModel
-from peers.protocol import InferenceOpen, RequestError
+from peers.protocol import RequestError
 from peers.session import SpanSession
 
 CACHE_TOKENS, TIMEOUT = 200, 2.0
@@ -82,23 +82,8 @@ def test_unknown_session_id_is_refused(two_clients, small_peer):
 
 def _open_resume(client, peer_id, session_id):
     span = SpanSession(client, peer_id, 0, 8, session_id)
-
-    async def go():
-        from hivemind.p2p import PeerID
-
-        from peers.protocol import InferenceReply, StageService
-        from peers.session import _request
-
-        stub = StageService.get_stub(client.node.p2p, PeerID.from_base58(peer_id))
-        request = InferenceOpen(session_id=session_id, start=0, end=8, max_length=20, batch_size=1, resume=True)
-        await span._outbox.put(_request(request.to_bytes()))
-        span._replies = await stub.rpc_inference(span._requests())
-        reply = InferenceReply.from_bytes((await span._next_reply()).metadata)
-        if reply.error:
-            raise RequestError(reply.error)
-        return span
-
-    return client.loop.run(go())
+    client.loop.run(span.open(20, 1, resume=True))
+    return span
 
 
 def test_session_of_another_client_is_refused(two_clients, small_peer):

@@ -1,0 +1,175 @@
+"""The inference stream of a stage peer: one stream per client, carrying any number of its sessions.
+
+Requests are answered in order: an open gets a reply, a step gets one reply (with a tensor unless every
+part was refused), a close gets none. Steps of several sessions in one message are validated part by part;
+a refused part leaves its session as it was and does not affect the others. A stream that ends without
+closing its sessions detaches them: their caches wait ``session_timeout`` for a resume, like idle ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import torch
+from hivemind.p2p import P2PContext
+from hivemind.proto import runtime_pb2
+
+from peers.aio import deadline
+from peers.backend import StageBackend
+from peers.protocol import (
+    InferenceClose,
+    InferenceOpen,
+    InferenceReply,
+    InferenceStep,
+    RequestError,
+    StageInfo,
+    read_tensor_messages,
+    tensor_messages,
+    unpack_inference,
+)
+from peers.sessions import Session, SessionRegistry
+
+logger = logging.getLogger(__name__)
+
+
+class InferenceRPC:
+    """Serves inference streams for one backend; ``check_hidden`` is the handler's tensor validation."""
+
+    def __init__(self, backend: StageBackend, info: StageInfo, sessions: SessionRegistry, *,
+                 request_timeout: float, check_hidden) -> None:
+        self.backend, self.info, self.sessions = backend, info, sessions
+        self.request_timeout, self.check_hidden = request_timeout, check_hidden
+
+    async def serve(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        owner, owned = str(context.remote_id), {}
+        try:
+            while True:
+                try:
+                    async with deadline(self.sessions.timeout if owned else self.request_timeout):
+                        message = await anext(requests)
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:  # end the stream once none of its sessions is alive
+                    for session_id in [i for i, s in owned.items() if self.sessions.sessions.get(i) is not s]:
+                        owned.pop(session_id)
+                    if not owned:
+                        return
+                    continue
+                try:
+                    request = unpack_inference(message.metadata)
+                except ValueError as e:
+                    await self._skip_tensor(requests, message)
+                    yield reply(error=str(e))
+                    continue
+                if isinstance(request, InferenceOpen):
+                    yield self._open(request, owner, owned)
+                elif isinstance(request, InferenceClose):
+                    self._close(request, owned)
+                else:
+                    for response in await self._steps(request, requests, message, owned):
+                        yield response
+        finally:
+            for session_id in owned:
+                self.sessions.detach(session_id)
+
+    def _open(self, request: InferenceOpen, owner: str, owned: dict) -> runtime_pb2.ExpertResponse:
+        try:
+            if not 1 <= request.batch_size <= self.info.max_batch_size:
+                raise RequestError(f"batch_size must be in 1..{self.info.max_batch_size} on this peer")
+            session = self.sessions.open(request, owner, (self.info.start, self.info.end))
+        except (RequestError, ValueError) as e:
+            logger.info("rpc_inference(peer=...%s) open refused: %s", owner[-6:], e)
+            return reply(error=str(e))
+        owned[session.session_id] = session
+        return reply(length=session.length)
+
+    def _close(self, request: InferenceClose, owned: dict) -> None:
+        for session_id in request.session_ids:
+            if isinstance(session_id, str) and owned.pop(session_id, None) is not None:
+                (self.sessions.detach if request.detach else self.sessions.close)(session_id)
+
+    async def _steps(
+        self, request: InferenceStep, requests: AsyncIterator, message: runtime_pb2.ExpertRequest, owned: dict
+    ) -> list[runtime_pb2.ExpertResponse]:
+        """Validate each part, run the valid ones (the backend batches them), reply with outputs and errors."""
+        try:
+            async with deadline(self.request_timeout):
+                _, hidden = await read_tensor_messages(requests, self.info.max_request_bytes, first=message)
+            parts = self._split(request, hidden, owned)
+        except (RequestError, ValueError, asyncio.TimeoutError) as e:
+            error = str(e) or f"step exceeded the deadline of {self.request_timeout:.0f} s"
+            logger.info("rpc_inference step refused: %s", error)
+            return [reply(error=error)]
+        errors, tasks = [], []
+        for session, part, position in parts:
+            try:
+                _check_step(session, part, position)
+            except RequestError as e:
+                errors.append(str(e))
+                continue
+            errors.append("")
+            session.last_used = time.monotonic()
+            tasks.append(self.backend.inference_step(session, part, position))
+        try:
+            async with deadline(self.request_timeout):
+                outputs = await asyncio.gather(*tasks)
+        except asyncio.TimeoutError:
+            return [reply(error=f"step exceeded the deadline of {self.request_timeout:.0f} s")]
+        metadata = InferenceReply(errors=errors).to_bytes()
+        if not outputs:
+            return [runtime_pb2.ExpertResponse(metadata=metadata)]
+        return list(tensor_messages(torch.cat(outputs), metadata, runtime_pb2.ExpertResponse))
+
+    def _split(self, request: InferenceStep, hidden: torch.Tensor, owned: dict) -> list:
+        ids, positions = request.session_ids, request.positions
+        if not ids or len(ids) != len(positions) or len(set(map(str, ids))) != len(ids):
+            raise RequestError("a step needs distinct session_ids and one position per session")
+        if not all(isinstance(i, str) for i in ids) or not all(_is_int(p) for p in positions):
+            raise RequestError("session_ids must be strings and positions integers")
+        sessions = []
+        for session_id in ids:
+            session = owned.get(session_id)
+            if session is None:
+                raise RequestError(f"session {session_id!r} is not open on this stream")
+            if self.sessions.sessions.get(session_id) is not session:
+                owned.pop(session_id)
+                raise RequestError(f"session {session_id!r} was freed after being idle; open a new one")
+            sessions.append(session)
+        rows = [s.batch_size for s in sessions]
+        self.check_hidden(hidden, max_rows=sum(rows))
+        if hidden.shape[0] != sum(rows):
+            raise RequestError(f"these sessions have {sum(rows)} rows in all, got {hidden.shape[0]}")
+        if len(rows) > 1 and hidden.shape[0] * hidden.shape[1] > self.backend.max_batch_tokens:
+            raise RequestError(f"a step of several sessions may carry up to {self.backend.max_batch_tokens} tokens")
+        return list(zip(sessions, hidden.split(rows), positions, strict=True))
+
+    async def _skip_tensor(self, requests: AsyncIterator, message: runtime_pb2.ExpertRequest) -> None:
+        """Consume the rest of a refused message's tensor, so that the stream stays in step."""
+        if message.tensors:
+            try:
+                await read_tensor_messages(requests, self.info.max_request_bytes, first=message)
+            except (RequestError, ValueError):
+                pass
+
+
+def _check_step(session: Session, part: torch.Tensor, position: int) -> None:
+    if not 0 <= position <= session.length:
+        raise RequestError(f"step starts at token {position} but the session holds {session.length}")
+    if position + part.shape[1] > session.max_length:
+        raise RequestError(
+            f"step would reach {position + part.shape[1]} tokens, beyond the session's max_length "
+            f"{session.max_length}; open a session with a larger max_length"
+        )
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def reply(*, error: str = "", length: int = 0) -> runtime_pb2.ExpertResponse:
+    return runtime_pb2.ExpertResponse(metadata=InferenceReply(error=error, length=length).to_bytes())

@@ -1,0 +1,210 @@
+"""``PeerStream``: a client's one long-lived inference stream to one peer, shared by all its sessions there.
+
+Steps that sessions issue while another step is in flight on the stream wait, and leave together in one
+message (when they have the same number of new tokens): with many concurrent sessions the peer gets large
+batches and the wire carries one message per round instead of one per session. Replies come back in order.
+If the stream breaks or a reply is late, every pending request fails at once and the stream is dropped, so
+that each session re-routes (see ``peers.session``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
+
+from peers.protocol import (
+    InferenceClose,
+    InferenceOpen,
+    InferenceReply,
+    InferenceStep,
+    RequestError,
+    StageService,
+    pack_inference,
+    read_tensor_messages,
+    tensor_messages,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_REPLY_BYTES = 1 << 30
+MAX_COALESCED_TOKENS = 512  # rows x new tokens of the steps sent together in one message
+
+
+@dataclass(eq=False)
+class _Step:
+    session_id: str
+    position: int
+    hidden: torch.Tensor
+    timeout: float
+    future: asyncio.Future = field(repr=False)
+
+
+class PeerStream:
+    """One stream to ``peer_id``; create with ``await PeerStream.connect(...)``."""
+
+    def __init__(self, p2p: P2P, peer_id: str) -> None:
+        self.p2p, self.peer_id = p2p, peer_id
+        self.closed = False
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self._waiting: deque[tuple[asyncio.Future, asyncio.TimerHandle | None]] = deque()  # replies due, in order
+        self._pending: list[_Step] = []
+        self._in_flight = False
+        self._flush_scheduled = False
+        self._reader: asyncio.Task | None = None
+
+    @classmethod
+    async def connect(cls, p2p: P2P, peer_id: str) -> PeerStream:
+        stream = cls(p2p, peer_id)
+        stub = StageService.get_stub(p2p, PeerID.from_base58(peer_id))
+        replies = await stub.rpc_inference(stream._requests())
+        stream._reader = asyncio.create_task(stream._read(replies))
+        return stream
+
+    async def open(self, request: InferenceOpen, timeout: float) -> InferenceReply:
+        reply, _ = await self._request(pack_inference(request), None, timeout)
+        return reply
+
+    async def step(self, session_id: str, position: int, hidden: torch.Tensor, timeout: float) -> torch.Tensor:
+        """The outputs of one session's step; may travel together with other sessions' steps."""
+        if self.closed:
+            raise ConnectionError(f"stream to peer ...{self.peer_id[-6:]} is closed")
+        step = _Step(session_id, position, hidden, timeout, asyncio.get_running_loop().create_future())
+        self._pending.append(step)
+        self._schedule_flush()
+        return await step.future
+
+    def close_sessions(self, session_ids: list[str], *, detach: bool = False) -> None:
+        """Free (or detach) sessions on the peer; no reply is awaited."""
+        if not self.closed:
+            self._outbox.put_nowait(_message(pack_inference(InferenceClose(session_ids=session_ids, detach=detach))))
+
+    def shutdown(self, error: BaseException | None = None) -> None:
+        """Fail everything pending and end the stream."""
+        if self.closed:
+            return
+        self.closed = True
+        error = error or ConnectionError(f"stream to peer ...{self.peer_id[-6:]} was closed")
+        for step in self._pending:
+            if not step.future.done():
+                step.future.set_exception(error)
+        self._pending.clear()
+        while self._waiting:
+            future, timer = self._waiting.popleft()
+            if timer is not None:
+                timer.cancel()
+            if not future.done():
+                future.set_exception(error)
+        self._outbox.put_nowait(None)
+        if self._reader is not None and self._reader is not asyncio.current_task():
+            self._reader.cancel()
+
+    # ---- internals --------------------------------------------------------------------------------
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled and not self._in_flight:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Send the pending steps that can travel together, unless a step is already in flight."""
+        self._flush_scheduled = False
+        if self._in_flight or self.closed or not self._pending:
+            return
+        tokens = self._pending[0].hidden.shape[1]
+        group, rest, size = [], [], 0
+        for step in self._pending:
+            step_tokens = step.hidden.shape[0] * step.hidden.shape[1]
+            if not group or (step.hidden.shape[1] == tokens and size + step_tokens <= MAX_COALESCED_TOKENS):
+                group.append(step)
+                size += step_tokens
+            else:
+                rest.append(step)
+        self._pending = rest
+        metadata = pack_inference(InferenceStep(session_ids=[s.session_id for s in group],
+                                                positions=[s.position for s in group]))
+        hidden = torch.cat([s.hidden for s in group]) if len(group) > 1 else group[0].hidden
+        self._in_flight = True
+        reply = asyncio.ensure_future(self._request(metadata, hidden, max(s.timeout for s in group)))
+        reply.add_done_callback(lambda done: self._deliver(done, group))
+
+    def _deliver(self, done: asyncio.Future, group: list[_Step]) -> None:
+        self._in_flight = False
+        if done.cancelled() or done.exception() is not None:
+            error = ConnectionError("request cancelled") if done.cancelled() else done.exception()
+            for step in group:
+                if not step.future.done():
+                    step.future.set_exception(error)
+        else:
+            reply, output = done.result()
+            accepted = [s for s, e in zip(group, reply.errors, strict=False) if not e]
+            if reply.error or len(reply.errors) != len(group):
+                error = RequestError(f"peer ...{self.peer_id[-6:]} refused a step: {reply.error or 'malformed reply'}")
+                for step in group:
+                    step.future.set_exception(error)
+            else:
+                outputs = iter(output.split([len(s.hidden) for s in accepted]) if accepted else ())
+                for step, message in zip(group, reply.errors, strict=True):
+                    if step.future.done():
+                        continue
+                    if message:
+                        refusal = f"peer ...{self.peer_id[-6:]} refused a step: {message}"
+                        step.future.set_exception(RequestError(refusal))
+                    else:
+                        step.future.set_result(next(outputs))
+        self._schedule_flush()
+
+    async def _request(self, metadata: bytes, hidden: torch.Tensor | None, timeout: float):
+        """Send one request and wait for its reply ``(InferenceReply, tensor or None)``."""
+        if self.closed:
+            raise ConnectionError(f"stream to peer ...{self.peer_id[-6:]} is closed")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        timer = loop.call_later(timeout, self._expire, future, timeout)
+        self._waiting.append((future, timer))
+        if hidden is None:
+            self._outbox.put_nowait(_message(metadata))
+        else:
+            for message in tensor_messages(hidden, metadata):
+                self._outbox.put_nowait(message)
+        return await future
+
+    def _expire(self, future: asyncio.Future, timeout: float) -> None:
+        if not future.done():
+            self.shutdown(TimeoutError(f"peer ...{self.peer_id[-6:]} did not answer within {timeout:.1f} s"))
+
+    async def _requests(self):
+        while True:
+            message = await self._outbox.get()
+            if message is None:
+                return
+            yield message
+
+    async def _read(self, replies) -> None:
+        try:
+            async for first in replies:
+                reply = InferenceReply.from_bytes(first.metadata)
+                output = None
+                if first.tensors:
+                    _, output = await read_tensor_messages(replies, MAX_REPLY_BYTES, first=first)
+                if not self._waiting:
+                    raise ConnectionError("the peer sent a reply nobody asked for")
+                future, timer = self._waiting.popleft()
+                timer.cancel()
+                if not future.done():
+                    future.set_result((reply, output))
+            self.shutdown(ConnectionError(f"peer ...{self.peer_id[-6:]} closed the stream"))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            broke = ConnectionError(f"stream to peer ...{self.peer_id[-6:]} closed or broke: {e!r}")
+            self.shutdown(e if isinstance(e, RequestError) else broke)
+
+
+def _message(metadata: bytes) -> runtime_pb2.ExpertRequest:
+    return runtime_pb2.ExpertRequest(metadata=metadata)
+
