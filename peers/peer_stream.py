@@ -57,6 +57,7 @@ class PeerStream:
         self._in_flight = False
         self._flush_scheduled = False
         self._reader: asyncio.Task | None = None
+        self.step_messages = 0  # step messages sent (each may carry several sessions' steps)
 
     @classmethod
     async def connect(cls, p2p: P2P, peer_id: str) -> PeerStream:
@@ -129,6 +130,7 @@ class PeerStream:
                                                 positions=[s.position for s in group]))
         hidden = torch.cat([s.hidden for s in group]) if len(group) > 1 else group[0].hidden
         self._in_flight = True
+        self.step_messages += 1
         reply = asyncio.ensure_future(self._request(metadata, hidden, max(s.timeout for s in group)))
         reply.add_done_callback(lambda done: self._deliver(done, group))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import subprocess
 import sys
@@ -160,3 +161,30 @@ def test_idle_session_is_freed(two_clients, small_peer):
     _wait_free(a, peer_id, CACHE_TOKENS, timeout=5 * TIMEOUT)
     with pytest.raises((RequestError, ConnectionError), match="idle|closed"):
         a.loop.run(span.step(torch.randn(1, 1, 64)))
+
+
+def test_steps_of_two_sessions_share_a_message_and_fail_independently(two_clients, small_peer, llama_dir):
+    """Concurrent steps of one client's sessions travel together; a refused part leaves the other intact."""
+    a, _ = two_clients
+    peer_id = small_peer[1]
+    good, bad = _open(a, peer_id, max_length=10), _open(a, peer_id, max_length=3)
+    model = LocalModel.from_dir(llama_dir)
+    x_good, x_bad = torch.randn(1, 4, 64), torch.randn(1, 4, 64)  # 4 tokens exceed bad's max_length 3
+    before = a.info(peer_id).inference_batches
+    stream = a.loop.run(a.peer_stream(peer_id))
+    messages = stream.step_messages
+
+    async def both():
+        return await asyncio.gather(good.step(x_good), bad.step(x_bad), return_exceptions=True)
+
+    out_good, out_bad = a.loop.run(both())
+    assert isinstance(out_bad, RequestError) and "beyond the session's max_length 3" in str(out_bad)
+    with torch.inference_mode():
+        expected, _ = model.blocks(x_good, torch.arange(4)[None])
+    assert (out_good - expected).abs().max() < 1e-4
+    assert stream.step_messages == messages + 1  # both steps travelled in one message
+    assert a.info(peer_id).inference_batches == before + 1  # one forward, for the accepted part only
+    assert bad.length == 0 and a.loop.run(bad.step(torch.randn(1, 3, 64))).shape == (1, 3, 64)
+    a.loop.run(good.close())
+    a.loop.run(bad.close())
+    _wait_free(a, peer_id, CACHE_TOKENS, timeout=5)

@@ -319,3 +319,27 @@ def test_decode_wraps_deserialization_errors(compression, buffer, size):
     serialized = runtime_pb2.Tensor(compression=compression, buffer=buffer, size=size, dtype="float32")
     with pytest.raises(RequestError, match="malformed tensor"):
         decode_tensor(serialized)
+
+
+def test_inference_requests_round_trip_with_their_kind():
+    from peers.protocol import InferenceClose, InferenceOpen, InferenceStep, pack_inference, unpack_inference
+
+    for message in (
+        InferenceOpen(session_id="s", start=0, end=4, max_length=8, batch_size=1, resume=True),
+        InferenceStep(session_ids=["a", "b"], positions=[0, 3]),
+        InferenceClose(session_ids=["a"], detach=True),
+    ):
+        assert unpack_inference(pack_inference(message)) == message
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"\xc1", "malformed inference request"),
+    (msgpack.packb([1, 2]), "malformed inference request"),
+    (msgpack.packb({"kind": "jump"}), "unknown inference request kind 'jump'"),
+    (msgpack.packb({"kind": "step", "session_ids": "ab", "positions": [0]}), "must be list"),
+])
+def test_bad_inference_requests_are_refused(data, message):
+    from peers.protocol import unpack_inference
+
+    with pytest.raises(ValueError, match=message):
+        unpack_inference(data)
