@@ -5,12 +5,18 @@ In data-flow order:
 - ``config.py``: ``SwarmConfig``, ``StageServerConfig``, ``ClientConfig`` (keyword-only, validated).
 - ``model/``: our block code for the Llama family and GPT-2, checkpoint loading of one stage's tensors.
 - ``protocol.py``: typed messages and the ``StageService`` RPC declarations shared by server and client.
+- ``sessions.py``: server-side inference sessions (KV caches) within a peer's cache budget.
 - ``backend.py``: ``StageBackend`` holds a stage's blocks and batches concurrent requests into one forward.
+- ``inference_rpc.py``: the peer's side of an inference stream (open, steps of many sessions, close).
 - ``handler.py``: ``StageHandler`` parses, validates, computes and serializes each RPC.
 - ``server.py``: ``StageServer``, the composition root of a peer (DHT node, blocks, handler, announcer).
-- ``aio.py``: a background event loop that gives synchronous code (the client) an async runtime.
-- ``client.py``: ``SwarmClient`` runs embeddings and head locally and the blocks through a chain of peers.
+- ``aio.py``: a background event loop for synchronous callers, and a task-free deadline.
+- ``peer_stream.py``: the client's one stream per peer, which sends concurrent sessions' steps together.
+- ``session.py``: ``InferenceSession``: steps through a chain of peers, replay onto replacements.
+- ``generation.py``: sampling and the token loop; ``textgen.py``: text in, text out.
+- ``client.py``: ``SwarmClient``: embeddings and head locally, blocks through the swarm.
 - ``status.py``: the swarm status table.
+- ``launch.py``: start/stop real peer processes (demo, tests, benchmarks).
 - ``demo.py``: ``swarm demo``, a whole local swarm with no arguments.
 - ``cli.py``: the ``swarm`` command; maps flags onto the config dataclasses, nothing more.
 """
