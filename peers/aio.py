@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import queue
 import threading
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -62,52 +62,21 @@ class BackgroundLoop:
     def iterate(self, agen: AsyncIterator[T], timeout: float | None = None) -> Iterator[T]:
         """Consume an async iterator on this loop from synchronous code, item by item."""
         items: queue.Queue = queue.Queue()
-        done = object()
-
-        async def pump() -> None:
-            try:
-                async for item in agen:
-                    items.put((item, None))
-            except BaseException as e:  # re-raised in the consumer
-                items.put((None, e))
-            finally:
-                items.put((done, None))
-
-        future = asyncio.run_coroutine_threadsafe(pump(), self.loop)
+        future = asyncio.run_coroutine_threadsafe(_pump(agen, items.put), self.loop)
         try:
-            while True:
-                item, error = items.get(timeout=timeout)
-                if error is not None:
-                    raise error
-                if item is done:
-                    return
+            while (item := _unwrap(items.get(timeout=timeout))) is not _DONE:
                 yield item
         finally:
             future.cancel()
 
     async def aiterate(self, agen: AsyncIterator[T]) -> AsyncIterator[T]:
         """Consume an async iterator that lives on this loop from another event loop."""
-        caller = asyncio.get_running_loop()
-        items: asyncio.Queue = asyncio.Queue()
-        done = object()
-
-        async def pump() -> None:
-            try:
-                async for item in agen:
-                    caller.call_soon_threadsafe(items.put_nowait, (item, None))
-            except BaseException as e:
-                caller.call_soon_threadsafe(items.put_nowait, (None, e))
-            finally:
-                caller.call_soon_threadsafe(items.put_nowait, (done, None))
-
-        future = asyncio.run_coroutine_threadsafe(pump(), self.loop)
+        caller, items = asyncio.get_running_loop(), asyncio.Queue()
+        future = asyncio.run_coroutine_threadsafe(
+            _pump(agen, lambda entry: caller.call_soon_threadsafe(items.put_nowait, entry)), self.loop
+        )
         try:
-            while True:
-                item, error = await items.get()
-                if error is not None:
-                    raise error
-                if item is done:
-                    return
+            while (item := _unwrap(await items.get())) is not _DONE:
                 yield item
         finally:
             future.cancel()
@@ -131,3 +100,24 @@ async def _cancel_all_tasks() -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+_DONE = object()
+
+
+async def _pump(agen: AsyncIterator, put: Callable[[tuple], object]) -> None:
+    """Hand each item of ``agen`` (then its error, if any, then ``_DONE``) to ``put`` as ``(item, error)``."""
+    try:
+        async for item in agen:
+            put((item, None))
+    except BaseException as e:  # re-raised in the consumer
+        put((None, e))
+    finally:
+        put((_DONE, None))
+
+
+def _unwrap(entry: tuple):
+    item, error = entry
+    if error is not None:
+        raise error
+    return item
