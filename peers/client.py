@@ -143,6 +143,17 @@ class SwarmClient:
         """A fresh snapshot of the swarm's peer records."""
         return self._loop.run(self._fetch())
 
+    def wait_for_records(self, count: int, timeout: float = 60.0) -> list[PeerRecord]:
+        """Wait until the swarm shows at least ``count`` peer records (announcements take a moment to spread)."""
+        deadline = time.monotonic() + timeout
+        while len(records := self.records()) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"only {len(records)} of {count} peers visible after {timeout:.0f} s; see `swarm status`"
+                )
+            time.sleep(0.5)
+        return records
+
     def info(self, peer_id: str) -> StageInfo:
         return self._loop.run(self._info(peer_id))
 

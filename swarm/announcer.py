@@ -13,6 +13,8 @@ from swarm.records import PeerRecord, PeerState
 
 logger = logging.getLogger(__name__)
 
+STORE_TIMEOUT = 10.0  # seconds for one announcement; independent of the period (a short period is for tests)
+
 
 class Announcer:
     """Keeps one record alive in the DHT from an asyncio task of the peer's event loop."""
@@ -44,7 +46,7 @@ class Announcer:
             await asyncio.gather(self._task, return_exceptions=True)
         self.record = dataclasses.replace(self.record, state=final_state)
         # the DHT keeps the value that expires last, so the final record must outlive the previous one
-        await asyncio.wait_for(announce(self.node, self.record, ttl=self.ttl), timeout=self.period)
+        await asyncio.wait_for(announce(self.node, self.record, ttl=self.ttl), timeout=STORE_TIMEOUT)
 
     async def _loop(self) -> None:
         while True:
@@ -57,8 +59,8 @@ class Announcer:
 
     async def _announce_once(self) -> None:
         try:
-            ok = await asyncio.wait_for(announce(self.node, self.record, ttl=self.ttl), timeout=self.period)
+            ok = await asyncio.wait_for(announce(self.node, self.record, ttl=self.ttl), timeout=STORE_TIMEOUT)
             if not ok:
                 logger.warning("Announcement was not stored by any DHT peer; will retry in %.1f s", self.period)
         except Exception as e:
-            logger.warning("Announcement failed (%s); will retry in %.1f s", e, self.period)
+            logger.warning("Announcement failed (%r); will retry in %.1f s", e, self.period)

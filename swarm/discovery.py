@@ -16,8 +16,11 @@ logger = logging.getLogger(__name__)
 
 async def announce(node: DHTNode, record: PeerRecord, ttl: float) -> bool:
     """Publish ``record`` under its model's key, with the peer id as subkey, valid for ``ttl`` seconds."""
+    # the first replica's answer is enough: the rest of the stores finish in the background, so a slow or
+    # overloaded DHT peer cannot hold up (and time out) the heartbeat
     return await node.store(
-        peers_key(record.model), subkey=record.peer_id, value=record.to_wire(), expiration_time=get_dht_time() + ttl
+        peers_key(record.model), subkey=record.peer_id, value=record.to_wire(), expiration_time=get_dht_time() + ttl,
+        await_all_replicas=False,
     )
 
 

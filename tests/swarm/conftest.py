@@ -27,6 +27,7 @@ def llama_swarm(llama_dir, tmp_path_factory) -> Iterator[LocalSwarm]:
 @pytest.fixture(scope="module")
 def llama_client(llama_swarm, llama_dir) -> Iterator[SwarmClient]:
     client = SwarmClient(llama_dir, initial_peers=llama_swarm.initial_peers)
+    client.wait_for_records(2)
     yield client
     client.close()
 
@@ -37,3 +38,4 @@ def fresh_swarm(tmp_path) -> Iterator[LocalSwarm]:
     with LocalSwarm(tmp_path, update_period=1.0) as swarm:
         swarm.start_dht()
         yield swarm
+

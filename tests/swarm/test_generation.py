@@ -38,6 +38,8 @@ def gen_swarm(llama_dir, gpt2_dir, tmp_path_factory) -> Iterator[LocalSwarm]:
 def clients(gen_swarm, llama_dir, gpt2_dir) -> Iterator[dict[str, SwarmClient]]:
     made = {name: SwarmClient(path, initial_peers=gen_swarm.initial_peers)
             for name, path in (("llama", llama_dir), ("gpt2", gpt2_dir))}
+    for client in made.values():
+        client.wait_for_records(3)
     yield made
     for client in made.values():
         client.close()
