@@ -18,6 +18,7 @@ from peers.generation import SamplingConfig, generate_stream
 from peers.model import ModelConfig, load_client_parts
 from peers.peer_stream import PeerStream
 from peers.protocol import (
+    MAX_REPLY_BYTES,
     ForwardReply,
     ForwardRequest,
     RequestError,
@@ -34,7 +35,6 @@ from swarm.routing import MissingBlocksError, Router
 
 logger = logging.getLogger(__name__)
 
-MAX_REPLY_BYTES = 1 << 30
 
 
 class SwarmClient:

@@ -19,6 +19,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from peers.protocol import (
+    MAX_REPLY_BYTES,
     InferenceClose,
     InferenceOpen,
     InferenceReply,
@@ -32,7 +33,6 @@ from peers.protocol import (
 
 logger = logging.getLogger(__name__)
 
-MAX_REPLY_BYTES = 1 << 30
 MAX_COALESCED_TOKENS = 512  # rows x new tokens of the steps sent together in one message
 
 

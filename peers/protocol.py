@@ -19,6 +19,7 @@ from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import split_for_streaming
 
+MAX_REPLY_BYTES = 1 << 30  # clients accept replies up to this size
 CHUNK_BYTES = 1 << 20  # tensors travel in 1 MiB messages: big enough for the stream rate, small for memory
 WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

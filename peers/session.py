@@ -28,9 +28,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MAX_REPLY_BYTES = 1 << 30
-
-
 class SpanSession:
     """One session on one peer for blocks ``[start, end)``, over the client's shared stream to that peer."""
 
