@@ -6,6 +6,8 @@ data-flow order:
 
 - ``errors.py``: ``PrivacyError`` (a ``ValueError``) and its ``MembershipError`` and ``ChannelError``.
 - ``identity.py``: a peer's Ed25519 ``Identity``, loaded or created in a file of mode 0600; ``verify_signature``.
+- ``peer_ids.py``: the identity as the libp2p identity: the peer id embeds the public key (``public_key_of``), and
+  ``libp2p_key_file`` writes the key for the p2p daemon.
 - ``certificates.py``: wire formats: ``Certificate``, ``Revocation``, ``SwarmInfo`` (public ``swarm.pub``),
   ``MemberCredentials`` (what an invite hands to a member, mode 0600).
 - ``membership.py``: ``SwarmOwner`` (invite, revoke), ``MembershipVerifier`` (certificates, revocations, RPC proofs

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 
+from privacy.peer_ids import libp2p_key_file
 from swarm.keys import peers_key
 from swarm.records import PeerRecord
 
@@ -56,15 +57,23 @@ async def start_node(
     client_mode: bool = False,
     wait_timeout: float = 5.0,
 ) -> DHTNode:
-    """Start a DHT node with its own p2p daemon, joined to ``initial_peers`` (none: a new swarm)."""
+    """Start a DHT node with its own p2p daemon, joined to ``initial_peers`` (none: a new swarm).
+
+    ``identity_path``: the node's Ed25519 identity file (created, mode 0600, if missing); the peer id is
+    its public key, so it stays the same across restarts and a client can check it in a handshake.
+    """
+    identity = {}
+    if identity_path is not None:
+        # hivemind's "is this identity already online" probe reads only RSA keys: the peer id is ours anyway
+        identity = dict(identity_path=str(libp2p_key_file(identity_path)), check_if_identity_free=False)
     try:
         return await DHTNode.create(
             initial_peers=list(initial_peers),
             host_maddrs=list(host_maddrs),
             announce_maddrs=list(announce_maddrs) or None,
-            identity_path=identity_path,
             client_mode=client_mode,
             wait_timeout=wait_timeout,
+            **identity,
         )
     except Exception as e:
         hint = (
