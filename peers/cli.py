@@ -68,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="inference KV cache budget in tokens (batch rows x max_length, all sessions)")
     peer.add_argument("--session_timeout", type=float, default=60.0,
                       help="seconds an idle or disconnected inference session keeps its cache")
+    peer.add_argument("--allow_plaintext", action="store_true",
+                      help="also serve inference streams that skip encryption (for benchmarks and debugging)")
     peer.set_defaults(func=_cmd_peer)
 
     status = sub.add_parser("status", help="who is online, which blocks they serve, what is missing")
@@ -147,6 +149,7 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         max_batch_tokens=args.max_batch_tokens, max_request_bytes=args.max_request_bytes,
         request_timeout=args.request_timeout, update_period=args.update_period, throughput=args.throughput,
         cache_dir=args.cache_dir, cache_tokens=args.cache_tokens, session_timeout=args.session_timeout,
+        require_encryption=not args.allow_plaintext,
     )
     if args.num_threads:
         import torch

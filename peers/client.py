@@ -234,7 +234,9 @@ class SwarmClient:
             stream = self._streams.get(peer_id)
             if stream is None or stream.closed:
                 async with deadline(self.config.request_timeout):
-                    stream = self._streams[peer_id] = await PeerStream.connect(self.node.p2p, peer_id)
+                    stream = self._streams[peer_id] = await PeerStream.connect(
+                        self.node.p2p, peer_id, encrypt=self.config.encrypt, timeout=self.config.request_timeout
+                    )
             return stream
 
     async def _info(self, peer_id: str) -> StageInfo:

@@ -69,6 +69,7 @@ class StageServerConfig:
     cache_dir: Path = DEFAULT_CACHE_DIR
     cache_tokens: int = 16384  # inference KV cache budget: batch rows x max_length summed over sessions
     session_timeout: float = 60.0  # seconds an idle or disconnected session keeps its cache
+    require_encryption: bool = True  # refuse inference streams that skip the handshake (plaintext tensors)
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
@@ -106,6 +107,7 @@ class ClientConfig:
     refresh_period: float = 5.0  # seconds between DHT snapshots
     ban_time: float = 2.0  # first ban of a failing peer, doubled on each failure
     max_ban_time: float = 60.0
+    encrypt: bool = True  # end-to-end encrypt inference streams (X25519 handshake with each peer, AES-GCM)
 
     def __post_init__(self) -> None:
         if self.torch_dtype not in DTYPES:

@@ -24,6 +24,7 @@ from peers.protocol import (
     tensor_messages,
 )
 from peers.sessions import SessionRegistry
+from privacy.identity import Identity
 
 logger = logging.getLogger(__name__)
 
@@ -32,11 +33,13 @@ class StageHandler(StageService):
     """Serves one ``StageBackend`` over hivemind P2P. Bad requests get a reply that says what is wrong."""
 
     def __init__(
-        self, backend: StageBackend, info: StageInfo, sessions: SessionRegistry, *, request_timeout: float
+        self, backend: StageBackend, info: StageInfo, sessions: SessionRegistry, *, request_timeout: float,
+        identity: Identity, require_encryption: bool = True,
     ) -> None:
         self.backend, self.info, self.sessions, self.request_timeout = backend, info, sessions, request_timeout
         self.inference = InferenceRPC(backend, info, sessions, request_timeout=request_timeout,
-                                      check_hidden=self._check_hidden)
+                                      check_hidden=self._check_hidden, identity=identity,
+                                      require_encryption=require_encryption)
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         info = dataclasses.replace(

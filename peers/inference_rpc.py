@@ -21,6 +21,7 @@ from peers.aio import deadline
 from peers.backend import StageBackend
 from peers.protocol import (
     InferenceClose,
+    InferenceHello,
     InferenceOpen,
     InferenceReply,
     InferenceStep,
@@ -31,6 +32,8 @@ from peers.protocol import (
     unpack_inference,
 )
 from peers.sessions import Session, SessionRegistry
+from privacy.channel import SecureChannel, accept_handshake
+from privacy.identity import Identity
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +42,15 @@ class InferenceRPC:
     """Serves inference streams for one backend; ``check_hidden`` is the handler's tensor validation."""
 
     def __init__(self, backend: StageBackend, info: StageInfo, sessions: SessionRegistry, *,
-                 request_timeout: float, check_hidden) -> None:
+                 request_timeout: float, check_hidden, identity: Identity, require_encryption: bool = True) -> None:
         self.backend, self.info, self.sessions = backend, info, sessions
         self.request_timeout, self.check_hidden = request_timeout, check_hidden
+        self.identity, self.require_encryption = identity, require_encryption
 
     async def serve(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        owner, owned = str(context.remote_id), {}
+        owner, owned, stream = str(context.remote_id), {}, _Stream()
         try:
             while True:
                 try:
@@ -66,16 +70,28 @@ class InferenceRPC:
                     await self._skip_tensor(requests, message)
                     yield reply(error=str(e))
                     continue
-                if isinstance(request, InferenceOpen):
+                if isinstance(request, InferenceHello):
+                    yield self._hello(request, stream)
+                elif isinstance(request, InferenceOpen):
                     yield self._open(request, owner, owned)
                 elif isinstance(request, InferenceClose):
                     self._close(request, owned)
                 else:
-                    for response in await self._steps(request, requests, message, owned):
+                    for response in await self._steps(request, requests, message, owned, stream):
                         yield response
         finally:
             for session_id in owned:
                 self.sessions.detach(session_id)
+
+    def _hello(self, request: InferenceHello, stream: _Stream) -> runtime_pb2.ExpertResponse:
+        """Key agreement: from now on every tensor on this stream is sealed (``privacy.channel``)."""
+        if stream.channel is not None:
+            return reply(error="this stream is already encrypted")
+        try:
+            handshake, stream.channel = accept_handshake(request.hello, self.identity)
+        except ValueError as e:
+            return reply(error=f"handshake refused: {e}")
+        return runtime_pb2.ExpertResponse(metadata=InferenceReply(handshake=handshake).to_bytes())
 
     def _open(self, request: InferenceOpen, owner: str, owned: dict) -> runtime_pb2.ExpertResponse:
         try:
@@ -94,12 +110,17 @@ class InferenceRPC:
                 (self.sessions.detach if request.detach else self.sessions.close)(session_id)
 
     async def _steps(
-        self, request: InferenceStep, requests: AsyncIterator, message: runtime_pb2.ExpertRequest, owned: dict
+        self, request: InferenceStep, requests: AsyncIterator, message: runtime_pb2.ExpertRequest, owned: dict,
+        stream: _Stream,
     ) -> list[runtime_pb2.ExpertResponse]:
         """Validate each part, run the valid ones (the backend batches them), reply with outputs and errors."""
         try:
+            if stream.channel is None and self.require_encryption:
+                await self._skip_tensor(requests, message)
+                raise RequestError("this peer only takes encrypted streams: send a hello (handshake) first")
             async with deadline(self.request_timeout):
-                _, hidden = await read_tensor_messages(requests, self.info.max_request_bytes, first=message)
+                _, hidden = await read_tensor_messages(requests, self.info.max_request_bytes, first=message,
+                                                       unseal=stream.unseal)
             parts = self._split(request, hidden, owned)
         except (RequestError, ValueError, asyncio.TimeoutError) as e:
             error = str(e) or f"step exceeded the deadline of {self.request_timeout:.0f} s"
@@ -123,7 +144,7 @@ class InferenceRPC:
         metadata = InferenceReply(errors=errors).to_bytes()
         if not outputs:
             return [runtime_pb2.ExpertResponse(metadata=metadata)]
-        return list(tensor_messages(torch.cat(outputs), metadata, runtime_pb2.ExpertResponse))
+        return list(tensor_messages(torch.cat(outputs), metadata, runtime_pb2.ExpertResponse, seal=stream.seal))
 
     def _split(self, request: InferenceStep, hidden: torch.Tensor, owned: dict) -> list:
         ids, positions = request.session_ids, request.positions
@@ -155,6 +176,21 @@ class InferenceRPC:
                 await read_tensor_messages(requests, self.info.max_request_bytes, first=message)
             except (RequestError, ValueError):
                 pass
+
+
+class _Stream:
+    """Per-stream state: the encrypted channel, once a hello has set it up."""
+
+    def __init__(self) -> None:
+        self.channel: SecureChannel | None = None
+
+    @property
+    def seal(self):
+        return None if self.channel is None else (lambda data, aad: self.channel.seal(data, step=0, aad=aad))
+
+    @property
+    def unseal(self):
+        return None if self.channel is None else (lambda data, aad: self.channel.open(data, step=0, aad=aad))
 
 
 def _check_step(session: Session, part: torch.Tensor, position: int) -> None:

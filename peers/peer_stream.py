@@ -21,6 +21,7 @@ from hivemind.proto import runtime_pb2
 from peers.protocol import (
     MAX_REPLY_BYTES,
     InferenceClose,
+    InferenceHello,
     InferenceOpen,
     InferenceReply,
     InferenceStep,
@@ -30,6 +31,9 @@ from peers.protocol import (
     read_tensor_messages,
     tensor_messages,
 )
+from privacy.channel import ClientHandshake, SecureChannel, new_session_id
+from privacy.errors import ChannelError
+from privacy.peer_ids import public_key_of
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +62,29 @@ class PeerStream:
         self._flush_scheduled = False
         self._reader: asyncio.Task | None = None
         self.step_messages = 0  # step messages sent (each may carry several sessions' steps)
+        self._channel: SecureChannel | None = None  # set by the handshake: seals every tensor both ways
 
     @classmethod
-    async def connect(cls, p2p: P2P, peer_id: str) -> PeerStream:
+    async def connect(cls, p2p: P2P, peer_id: str, *, encrypt: bool = True, timeout: float = 30.0) -> PeerStream:
+        """Open the stream; with ``encrypt``, agree on keys with the peer whose public key is ``peer_id``.
+
+        Every tensor on an encrypted stream is sealed with AES-GCM under keys only this client and that peer
+        hold: relays, other peers and the p2p daemons see ciphertext (shapes and dtypes stay visible).
+        """
         stream = cls(p2p, peer_id)
         stub = StageService.get_stub(p2p, PeerID.from_base58(peer_id))
         replies = await stub.rpc_inference(stream._requests())
         stream._reader = asyncio.create_task(stream._read(replies))
+        if encrypt:
+            try:
+                handshake = ClientHandshake(public_key_of(peer_id), new_session_id())
+                reply, _ = await stream._request(pack_inference(InferenceHello(hello=handshake.hello())), None, timeout)
+                if reply.error:
+                    raise ChannelError(f"peer ...{peer_id[-6:]} refused the handshake: {reply.error}")
+                stream._channel = handshake.finish(reply.handshake)
+            except BaseException:
+                stream.shutdown()
+                raise
         return stream
 
     async def open(self, request: InferenceOpen, timeout: float) -> InferenceReply:
@@ -171,9 +191,21 @@ class PeerStream:
         if hidden is None:
             self._outbox.put_nowait(_message(metadata))
         else:
-            for message in tensor_messages(hidden, metadata):
+            for message in tensor_messages(hidden, metadata, seal=self._seal):
                 self._outbox.put_nowait(message)
         return await future
+
+    @property
+    def encrypted(self) -> bool:
+        return self._channel is not None
+
+    @property
+    def _seal(self):
+        return None if self._channel is None else (lambda data, aad: self._channel.seal(data, step=0, aad=aad))
+
+    @property
+    def _unseal(self):
+        return None if self._channel is None else (lambda data, aad: self._channel.open(data, step=0, aad=aad))
 
     def _expire(self, future: asyncio.Future, timeout: float) -> None:
         if not future.done():
@@ -192,7 +224,7 @@ class PeerStream:
                 reply = InferenceReply.from_bytes(first.metadata)
                 output = None
                 if first.tensors:
-                    _, output = await read_tensor_messages(replies, MAX_REPLY_BYTES, first=first)
+                    _, output = await read_tensor_messages(replies, MAX_REPLY_BYTES, first=first, unseal=self._unseal)
                 if not self._waiting:
                     raise ConnectionError("the peer sent a reply nobody asked for")
                 future, timer = self._waiting.popleft()

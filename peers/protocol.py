@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, AsyncIterator, ClassVar, TypeVar, get_type_hints  # noqa: UP035  hivemind needs typing's
 
 import msgpack
@@ -117,6 +117,13 @@ class InferenceClose(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class InferenceHello(Message):
+    """First request of an encrypted stream: the client's handshake (``privacy.channel.ClientHandshake``)."""
+
+    hello: bytes
+
+
+@dataclasses.dataclass(frozen=True)
 class InferenceReply(Message):
     """Reply to an open or a step. ``error`` refuses the whole message; ``errors[i]`` refuses part i only
     (its session stays as it was). The tensor holds the outputs of the accepted parts, in order."""
@@ -124,9 +131,12 @@ class InferenceReply(Message):
     error: str = ""
     errors: list = dataclasses.field(default_factory=list)  # of str, one per part of a step
     length: int = 0  # tokens the session holds after an open
+    handshake: bytes = b""  # the peer's handshake reply to a hello
 
 
-INFERENCE_KINDS: dict[str, type[Message]] = {"open": InferenceOpen, "step": InferenceStep, "close": InferenceClose}
+INFERENCE_KINDS: dict[str, type[Message]] = {
+    "hello": InferenceHello, "open": InferenceOpen, "step": InferenceStep, "close": InferenceClose,
+}
 
 
 def pack_inference(message: Message) -> bytes:
@@ -200,16 +210,23 @@ class StageService(ServicerBase):
 
 
 def tensor_messages(
-    tensor: torch.Tensor, metadata: bytes, cls: type = runtime_pb2.ExpertRequest
+    tensor: torch.Tensor, metadata: bytes, cls: type = runtime_pb2.ExpertRequest,
+    seal: Callable[[bytes, bytes], bytes] | None = None,
 ) -> Iterator[Any]:
-    """Serialize ``tensor`` into stream messages; the first one carries ``metadata``."""
+    """Serialize ``tensor`` into stream messages; the first one carries ``metadata``.
+
+    ``seal(buffer, metadata)``, if given, encrypts the tensor's bytes (shape and dtype stay in the clear).
+    """
     serialized = serialize_torch_tensor(tensor.detach().cpu())
+    if seal is not None:
+        serialized.buffer = seal(serialized.buffer, metadata)
     for i, chunk in enumerate(split_for_streaming(serialized, CHUNK_BYTES)):
         yield cls(tensors=[chunk], metadata=metadata if i == 0 else b"")
 
 
 async def read_tensor_messages(
-    stream: AsyncIterator[Any], max_bytes: int, first: Any | None = None
+    stream: AsyncIterator[Any], max_bytes: int, first: Any | None = None,
+    unseal: Callable[[bytes, bytes], bytes] | None = None,
 ) -> tuple[bytes, torch.Tensor]:
     """Collect one tensor (and the first message's metadata) from a stream of chunked messages.
 
@@ -242,6 +259,8 @@ async def read_tensor_messages(
     serialized = runtime_pb2.Tensor()
     serialized.CopyFrom(parts[0])
     serialized.buffer = b"".join(p.buffer for p in parts)
+    if unseal is not None:
+        serialized.buffer = unseal(serialized.buffer, first.metadata)
     return first.metadata, decode_tensor(serialized)
 
 

@@ -16,6 +16,7 @@ from peers.handler import StageHandler
 from peers.model import ModelConfig, load_blocks
 from peers.protocol import StageInfo
 from peers.sessions import SessionRegistry
+from privacy.identity import Identity
 from swarm.announcer import Announcer
 from swarm.block_selection import choose_blocks
 from swarm.discovery import fetch_records, start_node, visible_maddrs
@@ -52,11 +53,14 @@ class StageServer:
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set, then leave cleanly (announce offline, stop the daemon)."""
         swarm = self.config.swarm
+        path = str(swarm.identity_path) if swarm.identity_path else None
+        self.identity = Identity.load_or_create(path) if path else Identity.generate()  # signs our handshakes
         self.node = await start_node(
             initial_peers=swarm.initial_peers,
             host_maddrs=swarm.host_maddrs,
             announce_maddrs=swarm.announce_maddrs,
-            identity_path=str(swarm.identity_path) if swarm.identity_path else None,
+            identity_path=path,
+            identity=self.identity,
         )
         announcer = backend = handler = reaper = None
         try:
@@ -76,7 +80,8 @@ class StageServer:
             await backend.launch()
             reaper = asyncio.create_task(_reap_forever(sessions))
             handler = StageHandler(backend, self._make_info(peer_id, start, end, throughput), sessions,
-                                   request_timeout=self.config.request_timeout)
+                                   request_timeout=self.config.request_timeout, identity=self.identity,
+                                   require_encryption=self.config.require_encryption)
             await handler.add_p2p_handlers(self.node.p2p)
             addresses = tuple(self.config.swarm.announce_maddrs) or tuple(await visible_maddrs(self.node))
             announcer.update(state=PeerState.ONLINE, throughput=throughput, addresses=addresses)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 from collections.abc import Sequence
 
 from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 
-from privacy.peer_ids import libp2p_key_file
+from privacy._files import write_private
+from privacy.identity import Identity
+from privacy.peer_ids import libp2p_key_file, libp2p_private_key
 from swarm.keys import peers_key
 from swarm.records import PeerRecord
 
@@ -54,34 +58,42 @@ async def start_node(
     host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
     announce_maddrs: Sequence[str] = (),
     identity_path: str | None = None,
+    identity: Identity | None = None,
     client_mode: bool = False,
     wait_timeout: float = 5.0,
 ) -> DHTNode:
     """Start a DHT node with its own p2p daemon, joined to ``initial_peers`` (none: a new swarm).
 
-    ``identity_path``: the node's Ed25519 identity file (created, mode 0600, if missing); the peer id is
-    its public key, so it stays the same across restarts and a client can check it in a handshake.
+    The node's peer id is the public key of its Ed25519 identity: the one in ``identity_path`` (created, mode
+    0600, if missing; the id then survives restarts), else ``identity`` (e.g. an ephemeral one), else one
+    the daemon makes up. A client can check a peer's handshake against the id it dialled.
     """
-    identity = {}
-    if identity_path is not None:
-        # hivemind's "is this identity already online" probe reads only RSA keys: the peer id is ours anyway
-        identity = dict(identity_path=str(libp2p_key_file(identity_path)), check_if_identity_free=False)
-    try:
-        return await DHTNode.create(
-            initial_peers=list(initial_peers),
-            host_maddrs=list(host_maddrs),
-            announce_maddrs=list(announce_maddrs) or None,
-            client_mode=client_mode,
-            wait_timeout=wait_timeout,
-            **identity,
-        )
-    except Exception as e:
-        hint = (
-            "check that the --initial_peers line is complete and that the bootstrap peer is running"
-            if initial_peers
-            else "check --host_maddrs (e.g. /ip4/127.0.0.1/tcp/0) and that the port is free"
-        )
-        raise RuntimeError(f"could not start or join the DHT ({e}); {hint}") from e
+    with tempfile.TemporaryDirectory(prefix="fusionswarm-id-") as tmp:
+        options = {}
+        if identity_path is not None:
+            options["identity_path"] = str(libp2p_key_file(identity_path))
+        elif identity is not None:  # the daemon reads the key once at start; the file goes with the folder
+            key_path = os.path.join(tmp, "p2p.key")
+            write_private(key_path, libp2p_private_key(identity), what="libp2p key")
+            options["identity_path"] = key_path
+        if options:  # hivemind's "is this identity already online" probe reads only RSA keys
+            options["check_if_identity_free"] = False
+        try:
+            return await DHTNode.create(
+                initial_peers=list(initial_peers),
+                host_maddrs=list(host_maddrs),
+                announce_maddrs=list(announce_maddrs) or None,
+                client_mode=client_mode,
+                wait_timeout=wait_timeout,
+                **options,
+            )
+        except Exception as e:
+            hint = (
+                "check that the --initial_peers line is complete and that the bootstrap peer is running"
+                if initial_peers
+                else "check --host_maddrs (e.g. /ip4/127.0.0.1/tcp/0) and that the port is free"
+            )
+            raise RuntimeError(f"could not start or join the DHT ({e}); {hint}") from e
 
 
 async def visible_maddrs(node: DHTNode) -> list[str]:
