@@ -112,9 +112,11 @@ class SecureChannel:
         counter = int.from_bytes(header, "big")
         nonce = self._recv_direction.to_bytes(4, "big") + header
         with self._recv_lock:
-            if counter != self._recv_counter:
-                raise ChannelError(f"replayed or reordered message: counter {counter}, expected {self._recv_counter}; "
-                                   f"open messages once each, in the order they were sealed")
+            # counters only move forward: an old counter is a replay or arrived out of order and is refused; a gap
+            # (a message lost or refused in transit) is allowed, so that one forgery cannot kill the session
+            if counter < self._recv_counter:
+                raise ChannelError(f"replayed or reordered message: counter {counter}, expected at least "
+                                   f"{self._recv_counter}; messages are opened once each, in the order sealed")
             try:
                 plaintext = self._recv_aead.decrypt(nonce, memoryview(ciphertext)[HEADER_SIZE:],
                                                     self._recv_prefix + header + step_bytes + aad)

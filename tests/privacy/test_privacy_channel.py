@@ -38,7 +38,7 @@ def test_tampered_message_refused_and_session_survives(where):
     index = {"header": 7, "body": 8 + 50, "tag": len(sealed) - 1}[where]
     tampered = bytearray(sealed)
     tampered[index] ^= 0x01
-    with pytest.raises(ChannelError, match="authentication" if where != "header" else "replayed or reordered"):
+    with pytest.raises(ChannelError, match="authentication"):  # a forged counter is authenticated too
         server.open(bytes(tampered), step=7)
     with pytest.raises(ChannelError, match="too short|shorter"):
         server.open(sealed[:20], step=7)
@@ -56,12 +56,13 @@ def test_replay_refused():
 
 
 def test_reorder_refused():
+    """The message that arrives after a later one is refused; a gap (a lost message) is not fatal."""
     client, server = connect()
-    first, second = client.seal(b"1", step=0), client.seal(b"2", step=1)
-    with pytest.raises(ChannelError, match="replayed or reordered"):
-        server.open(second, step=1)
-    assert server.open(first, step=0) == b"1"
+    first, second, third = client.seal(b"1", step=0), client.seal(b"2", step=1), client.seal(b"3", step=2)
     assert server.open(second, step=1) == b"2"
+    with pytest.raises(ChannelError, match="replayed or reordered"):
+        server.open(first, step=0)
+    assert server.open(third, step=2) == b"3"
 
 
 def test_wrong_step_or_aad_refused():
