@@ -79,7 +79,8 @@ def run_demo(workdir: Path) -> int:
 
 def _generate(console: Console, client, local, input_ids: torch.Tensor, new_tokens: int = 24) -> bool:
     """Greedy generation through the swarm, tokens shown as they come; compared with the local model."""
-    console.print(f"Generating {new_tokens} tokens through the swarm (greedy; random weights, so the text is noise):")
+    console.print(f"Generating {new_tokens} tokens through the swarm over end-to-end encrypted streams "
+                  "(greedy; random weights, so the text is noise):")
     t0, got = time.perf_counter(), []
     for token in client.iter_generate(input_ids, new_tokens):
         got.append(int(token[0]))
