@@ -245,4 +245,7 @@ class SwarmClient:
         return StageInfo.from_bytes(reply.serialized_info)
 
     async def _fetch(self) -> list[PeerRecord]:
-        return await asyncio.wait_for(fetch_records(self.node, self.model_name), self.config.swarm.dht_timeout)
+        """The swarm as this client may use it: only peers it trusts (``allowed_peers`` / ``blocked_peers``)."""
+        records = await asyncio.wait_for(fetch_records(self.node, self.model_name), self.config.swarm.dht_timeout)
+        allowed, blocked = set(self.config.allowed_peers), set(self.config.blocked_peers)
+        return [r for r in records if (not allowed or r.peer_id in allowed) and r.peer_id not in blocked]

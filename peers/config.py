@@ -108,11 +108,18 @@ class ClientConfig:
     ban_time: float = 2.0  # first ban of a failing peer, doubled on each failure
     max_ban_time: float = 60.0
     encrypt: bool = True  # end-to-end encrypt inference streams (X25519 handshake with each peer, AES-GCM)
+    allowed_peers: tuple[str, ...] = ()  # if set, only these peer ids compute for this client
+    blocked_peers: tuple[str, ...] = ()  # these peer ids never compute for this client
 
     def __post_init__(self) -> None:
         if self.torch_dtype not in DTYPES:
             raise ValueError(f"torch_dtype must be one of {list(DTYPES)}")
         if self.request_timeout <= 0 or self.max_retries < 0:
             raise ValueError("request_timeout must be positive and max_retries >= 0")
+        self.allowed_peers, self.blocked_peers = tuple(self.allowed_peers), tuple(self.blocked_peers)
+        if not all(isinstance(p, str) and p for p in self.allowed_peers + self.blocked_peers):
+            raise ValueError("allowed_peers and blocked_peers must be peer ids (strings)")
+        if set(self.allowed_peers) & set(self.blocked_peers):
+            raise ValueError("a peer cannot be both allowed and blocked")
         if self.step_timeout_factor <= 1 or self.min_step_timeout <= 0:
             raise ValueError("step_timeout_factor must be > 1 and min_step_timeout positive")
