@@ -87,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top_p", type=float, default=None, help="sample from the smallest set reaching this mass")
     gen.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     gen.add_argument("--request_timeout", type=float, default=30.0, help="seconds per step before re-routing")
+    gen.add_argument("--local_blocks", type=int, default=0,
+                     help="also run the first N blocks here, so peers never see the earliest activations")
     gen.set_defaults(func=_cmd_generate)
 
     demo = sub.add_parser("demo", help="a whole swarm on this machine: bootstrap, 3 peers, a client")
@@ -203,7 +205,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     sample = any(x is not None for x in (args.temperature, args.top_k, args.top_p))
     sampling = SamplingConfig(do_sample=sample, temperature=args.temperature or 1.0, top_k=args.top_k,
                               top_p=args.top_p, seed=args.seed)
-    config = ClientConfig(swarm=swarm, request_timeout=args.request_timeout)
+    config = ClientConfig(swarm=swarm, request_timeout=args.request_timeout, local_blocks=args.local_blocks)
     with SwarmClient(args.model_dir, config=config) as client:
         for piece in stream_text(client, args.prompt, args.max_new_tokens, sampling=sampling):
             print(piece, end="", flush=True)

@@ -15,7 +15,7 @@ from hivemind.proto import runtime_pb2
 from peers.aio import BackgroundLoop, deadline
 from peers.config import DTYPES, ClientConfig, SwarmConfig
 from peers.generation import SamplingConfig, generate_stream
-from peers.model import ModelConfig, load_client_parts
+from peers.model import ModelConfig, load_blocks, load_client_parts
 from peers.peer_stream import PeerStream
 from peers.protocol import (
     MAX_REPLY_BYTES,
@@ -62,6 +62,13 @@ class SwarmClient:
         self.model_name = check_model_name(config.model_name or self.model_config.name)
         self.device, self.dtype = torch.device(config.device), DTYPES[config.torch_dtype]
         self.embedding, self.head = load_client_parts(self.model_dir, device=self.device, dtype=self.dtype)
+        if not 0 <= config.local_blocks < self.model_config.num_layers:
+            raise ValueError(f"local_blocks must be in 0..{self.model_config.num_layers - 1}")
+        self.first_remote = config.local_blocks  # blocks [0, first_remote) run here, the rest on peers
+        self.local_blocks = (
+            load_blocks(self.model_dir, 0, config.local_blocks, device=self.device, dtype=self.dtype)
+            if config.local_blocks else None
+        )
         self._loop = BackgroundLoop()
         try:
             self.node = self._loop.run(
@@ -95,7 +102,9 @@ class SwarmClient:
         input_ids = input_ids.to(self.device)
         positions = torch.arange(input_ids.shape[1], device=self.device).expand_as(input_ids)
         hidden = self.embedding(input_ids, positions)
-        hidden = self.run_blocks(hidden)
+        if self.local_blocks is not None:
+            hidden, _ = self.local_blocks(hidden, positions)
+        hidden = self.run_blocks(hidden, self.first_remote)
         return self.head(hidden.to(self.device, self.dtype))
 
     def run_blocks(self, hidden: torch.Tensor, start: int = 0, end: int | None = None) -> torch.Tensor:

@@ -108,6 +108,7 @@ class ClientConfig:
     ban_time: float = 2.0  # first ban of a failing peer, doubled on each failure
     max_ban_time: float = 60.0
     encrypt: bool = True  # end-to-end encrypt inference streams (X25519 handshake with each peer, AES-GCM)
+    local_blocks: int = 0  # run the first N blocks here too: peers never see the earliest activations
     allowed_peers: tuple[str, ...] = ()  # if set, only these peer ids compute for this client
     blocked_peers: tuple[str, ...] = ()  # these peer ids never compute for this client
 
@@ -116,6 +117,8 @@ class ClientConfig:
             raise ValueError(f"torch_dtype must be one of {list(DTYPES)}")
         if self.request_timeout <= 0 or self.max_retries < 0:
             raise ValueError("request_timeout must be positive and max_retries >= 0")
+        if self.local_blocks < 0:
+            raise ValueError("local_blocks must be >= 0")
         self.allowed_peers, self.blocked_peers = tuple(self.allowed_peers), tuple(self.blocked_peers)
         if not all(isinstance(p, str) and p for p in self.allowed_peers + self.blocked_peers):
             raise ValueError("allowed_peers and blocked_peers must be peer ids (strings)")

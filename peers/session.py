@@ -105,11 +105,12 @@ class InferenceSession:
             raise ValueError("max_length and batch_size must be >= 1")
         self.client, self.max_length, self.batch_size = client, max_length, batch_size
         self.hops: list[SpanSession] = []
+        self._local_past = None  # KV cache of the client's local blocks
         self.length = 0
         self.recoveries = 0  # replacements made so far (for tests and benchmarks)
 
     async def __aenter__(self) -> InferenceSession:
-        self.hops = await self._open_chain(0, self.client.model_config.num_layers)
+        self.hops = await self._open_chain(self.client.first_remote, self.client.model_config.num_layers)
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -130,7 +131,7 @@ class InferenceSession:
         if self.length + hidden.shape[1] > self.max_length:
             total = self.length + hidden.shape[1]
             raise ValueError(f"{total} tokens exceed the session's max_length {self.max_length}")
-        x = hidden.detach().to("cpu", self.client.dtype)
+        x = self._local_step(hidden).detach().to("cpu", self.client.dtype)
         index, failures = 0, 0
         while index < len(self.hops):
             hop = self.hops[index]
@@ -147,6 +148,17 @@ class InferenceSession:
             x, index = out, index + 1
         self.length += hidden.shape[1]
         return x
+
+    @torch.inference_mode()
+    def _local_step(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The client's own first blocks (``local_blocks``), with their KV cache kept here."""
+        blocks = self.client.local_blocks
+        if blocks is None:
+            return hidden
+        tokens = hidden.shape[1]
+        positions = torch.arange(self.length, self.length + tokens, device=hidden.device).expand(hidden.shape[0], -1)
+        out, self._local_past = blocks(hidden, positions, self._local_past)
+        return out
 
     async def _replace(self, index: int, error: BaseException, failures: int) -> None:
         """Ban the failed hop's peer, route its blocks elsewhere and replay its history there."""
