@@ -28,8 +28,10 @@ from peers.protocol import (
     RequestError,
     StageInfo,
     read_tensor_messages,
+    sealer,
     tensor_messages,
     unpack_inference,
+    unsealer,
 )
 from peers.sessions import Session, SessionRegistry
 from privacy.channel import SecureChannel, accept_handshake
@@ -186,11 +188,11 @@ class _Stream:
 
     @property
     def seal(self):
-        return None if self.channel is None else (lambda data, aad: self.channel.seal(data, step=0, aad=aad))
+        return sealer(self.channel)
 
     @property
     def unseal(self):
-        return None if self.channel is None else (lambda data, aad: self.channel.open(data, step=0, aad=aad))
+        return unsealer(self.channel)
 
 
 def _check_step(session: Session, part: torch.Tensor, position: int) -> None:

@@ -29,7 +29,9 @@ from peers.protocol import (
     StageService,
     pack_inference,
     read_tensor_messages,
+    sealer,
     tensor_messages,
+    unsealer,
 )
 from privacy.channel import ClientHandshake, SecureChannel, new_session_id
 from privacy.errors import ChannelError
@@ -201,11 +203,11 @@ class PeerStream:
 
     @property
     def _seal(self):
-        return None if self._channel is None else (lambda data, aad: self._channel.seal(data, step=0, aad=aad))
+        return sealer(self._channel)
 
     @property
     def _unseal(self):
-        return None if self._channel is None else (lambda data, aad: self._channel.open(data, step=0, aad=aad))
+        return unsealer(self._channel)
 
     def _expire(self, future: asyncio.Future, timeout: float) -> None:
         if not future.done():

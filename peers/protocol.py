@@ -209,6 +209,19 @@ class StageService(ServicerBase):
         yield  # pragma: no cover
 
 
+def sealer(channel) -> Callable[[bytes, bytes], bytes] | None:
+    """``seal(buffer, metadata)`` for ``tensor_messages`` from a stream's ``SecureChannel`` (None: plaintext).
+
+    The request's metadata is the associated data, so a sealed tensor cannot be moved to another request.
+    """
+    return None if channel is None else (lambda data, aad: channel.seal(data, step=0, aad=aad))
+
+
+def unsealer(channel) -> Callable[[bytes, bytes], bytes] | None:
+    """The inverse of ``sealer``, for ``read_tensor_messages``."""
+    return None if channel is None else (lambda data, aad: channel.open(data, step=0, aad=aad))
+
+
 def tensor_messages(
     tensor: torch.Tensor, metadata: bytes, cls: type = runtime_pb2.ExpertRequest,
     seal: Callable[[bytes, bytes], bytes] | None = None,
