@@ -59,7 +59,6 @@ class StageServer:
             initial_peers=swarm.initial_peers,
             host_maddrs=swarm.host_maddrs,
             announce_maddrs=swarm.announce_maddrs,
-            identity_path=path,
             identity=self.identity,
         )
         announcer = backend = handler = reaper = None

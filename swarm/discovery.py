@@ -64,13 +64,13 @@ async def start_node(
 ) -> DHTNode:
     """Start a DHT node with its own p2p daemon, joined to ``initial_peers`` (none: a new swarm).
 
-    The node's peer id is the public key of its Ed25519 identity: the one in ``identity_path`` (created, mode
-    0600, if missing; the id then survives restarts), else ``identity`` (e.g. an ephemeral one), else one
-    the daemon makes up. A client can check a peer's handshake against the id it dialled.
+    The node's peer id is the public key of its Ed25519 identity: ``identity`` if given (already loaded by the
+    caller), else the one in ``identity_path`` (created, mode 0600, if missing; the id then survives
+    restarts), else one the daemon makes up. A client can check a peer's handshake against the id it dialled.
     """
     with tempfile.TemporaryDirectory(prefix="fusionswarm-id-") as tmp:
         options = {}
-        if identity_path is not None:
+        if identity is None and identity_path is not None:
             options["identity_path"] = str(libp2p_key_file(identity_path))
         elif identity is not None:  # the daemon reads the key once at start; the file goes with the folder
             key_path = os.path.join(tmp, "p2p.key")
