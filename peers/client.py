@@ -12,25 +12,20 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
+from peers.access import load_admission, load_identity
 from peers.aio import BackgroundLoop, deadline
 from peers.config import DTYPES, ClientConfig, SwarmConfig
 from peers.generation import SamplingConfig, generate_stream
 from peers.model import ModelConfig, load_blocks, load_client_parts
 from peers.peer_stream import PeerStream
-from peers.protocol import (
-    MAX_REPLY_BYTES,
-    ForwardReply,
-    ForwardRequest,
-    RequestError,
-    StageInfo,
-    StageService,
-    read_tensor_messages,
-    tensor_messages,
-)
+from peers.protocol import InfoRequest, RequestError, StageInfo, StageService
 from peers.session import InferenceSession
+from privacy.admission import proof_context
+from privacy.peer_ids import public_key_of
 from swarm.discovery import fetch_records, start_node
 from swarm.keys import check_model_name
 from swarm.records import PeerRecord
+from swarm.revocations import sync_revocations
 from swarm.routing import MissingBlocksError, Router
 
 logger = logging.getLogger(__name__)
@@ -69,14 +64,17 @@ class SwarmClient:
             load_blocks(self.model_dir, 0, config.local_blocks, device=self.device, dtype=self.dtype)
             if config.local_blocks else None
         )
+        self.identity = load_identity(config.swarm)  # our peer id: peers check our membership proofs against it
+        self.admission = load_admission(config.swarm, self.identity)
         self._loop = BackgroundLoop()
         try:
             self.node = self._loop.run(
                 start_node(
                     initial_peers=config.swarm.initial_peers,
                     host_maddrs=config.swarm.host_maddrs,
-                    identity_path=str(config.swarm.identity_path) if config.swarm.identity_path else None,
+                    identity=self.identity,
                     client_mode=True,
+                    record_validator=self.admission.record_validator(),
                 ),
                 timeout=60,
             )
@@ -211,30 +209,12 @@ class SwarmClient:
         return hidden
 
     async def call_forward(self, peer_id: str, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """One ``rpc_forward`` to ``peer_id``; raises ``RequestError`` if the peer refuses the request."""
-        stub = StageService.get_stub(self.node.p2p, PeerID.from_base58(peer_id))
-        metadata = ForwardRequest(start=start, end=end).to_bytes()
+        """Blocks ``[start, end)`` of ``peer_id`` on ``hidden``, over this client's (encrypted) stream to it.
 
-        async def requests():
-            for message in tensor_messages(hidden, metadata):
-                yield message
-
-        async def exchange() -> torch.Tensor:
-            stream = await stub.rpc_forward(requests())
-            first = await anext(stream)
-            reply = ForwardReply.from_bytes(first.metadata)
-            if reply.error:
-                raise RequestError(f"peer ...{peer_id[-6:]} refused blocks {start}:{end}: {reply.error}")
-
-            async def rest():
-                yield first
-                async for message in stream:
-                    yield message
-
-            _, output = await read_tensor_messages(rest(), MAX_REPLY_BYTES)
-            return output
-
-        return await asyncio.wait_for(exchange(), timeout=self.config.request_timeout)
+        Raises ``RequestError`` if the peer refuses the request; a broken stream raises ``ConnectionError``.
+        """
+        stream = await self.peer_stream(peer_id)
+        return await stream.forward(start, end, hidden, timeout=self.config.request_timeout)
 
     async def peer_stream(self, peer_id: str) -> PeerStream:
         """This client's inference stream to ``peer_id`` (opened on first use, replaced once it breaks)."""
@@ -244,17 +224,24 @@ class SwarmClient:
             if stream is None or stream.closed:
                 async with deadline(self.config.request_timeout):
                     stream = self._streams[peer_id] = await PeerStream.connect(
-                        self.node.p2p, peer_id, encrypt=self.config.encrypt, timeout=self.config.request_timeout
+                        self.node.p2p, peer_id, encrypt=self.config.encrypt, timeout=self.config.request_timeout,
+                        admission=self.admission,
                     )
             return stream
 
     async def _info(self, peer_id: str) -> StageInfo:
         stub = StageService.get_stub(self.node.p2p, PeerID.from_base58(peer_id))
-        reply = await stub.rpc_info(runtime_pb2.ExpertUID(), timeout=self.config.request_timeout)
+        proof = self.admission.proof(proof_context("rpc_info", public_key_of(peer_id)))
+        request = runtime_pb2.ExpertRequest(metadata=InfoRequest(proof=proof).to_bytes())
+        reply = await stub.rpc_info(request, timeout=self.config.request_timeout)
         return StageInfo.from_bytes(reply.serialized_info)
 
     async def _fetch(self) -> list[PeerRecord]:
         """The swarm as this client may use it: only peers it trusts (``allowed_peers`` / ``blocked_peers``)."""
+        verifier = getattr(self.admission, "verifier", None)
+        if verifier is not None:  # a private swarm: apply revocations before trusting records
+            await asyncio.wait_for(sync_revocations(self.node, verifier, self.admission.record_validator(),
+                                                    ttl=3 * self.config.refresh_period), self.config.swarm.dht_timeout)
         records = await asyncio.wait_for(fetch_records(self.node, self.model_name), self.config.swarm.dht_timeout)
         allowed, blocked = set(self.config.allowed_peers), set(self.config.blocked_peers)
         return [r for r in records if (not allowed or r.peer_id in allowed) and r.peer_id not in blocked]

@@ -30,7 +30,9 @@ class SwarmConfig:
     initial_peers: tuple[str, ...] = ()  # full multiaddrs /ip4/.../tcp/PORT/p2p/PEER_ID printed by `swarm dht`
     host_maddrs: tuple[str, ...] = LOCAL_HOST_MADDRS  # where to listen; /ip4/0.0.0.0/tcp/PORT to accept others
     announce_maddrs: tuple[str, ...] = ()  # public addresses to announce (behind NAT / port forwarding)
-    identity_path: Path | None = None  # libp2p key file: keeps the peer id across restarts
+    identity_path: Path | None = None  # Ed25519 key file (0600): the peer id is its public key, kept across restarts
+    credentials_path: Path | None = None  # private swarm: member credentials from `swarm invite` (--private)
+    revocation_path: Path | None = None  # private swarm: a revocation file from `swarm revoke` (also spread by the DHT)
     new_swarm: bool = False  # start a new swarm instead of joining one
     dht_timeout: float = 10.0  # seconds for one DHT lookup or store
 
@@ -46,6 +48,10 @@ class SwarmConfig:
             raise ValueError("use either --new_swarm or --initial_peers, not both")
         if self.dht_timeout <= 0:
             raise ValueError("dht_timeout must be positive")
+        if self.credentials_path is not None and self.identity_path is None:
+            raise ValueError("--private needs --identity_path: the identity file whose key the invite certifies")
+        if self.revocation_path is not None and self.credentials_path is None:
+            raise ValueError("--revocations applies to a private swarm: pass --private CREDENTIALS too")
 
 
 @dataclass(kw_only=True)

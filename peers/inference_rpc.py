@@ -1,8 +1,10 @@
-"""The inference stream of a stage peer: one stream per client, carrying any number of its sessions.
+"""The stream of a stage peer: one per client, carrying its forwards and any number of its sessions.
 
-Requests are answered in order: an open gets a reply, a step gets one reply (with a tensor unless every
-part was refused), a close gets none. Steps of several sessions in one message are validated part by part;
-a refused part leaves its session as it was and does not affect the others. A stream that ends without
+The first request is a hello: the client's handshake (every tensor after it is sealed) and its admission proof
+(``privacy.admission``; a private swarm refuses every other request of a stream whose hello it did not admit).
+Requests are answered in order: a hello, an open and a forward get a reply, a step gets one reply (with a
+tensor unless every part was refused), a close gets none. Steps of several sessions in one message are validated
+part by part; a refused part leaves its session as it was and does not affect the others. A stream that ends without
 closing its sessions detaches them: their caches wait ``session_timeout`` for a resume, like idle ones.
 """
 
@@ -20,6 +22,7 @@ from hivemind.proto import runtime_pb2
 from peers.aio import deadline
 from peers.backend import StageBackend
 from peers.protocol import (
+    ForwardRequest,
     InferenceClose,
     InferenceHello,
     InferenceOpen,
@@ -34,6 +37,7 @@ from peers.protocol import (
     unsealer,
 )
 from peers.sessions import Session, SessionRegistry
+from privacy.admission import Admission, caller_key, proof_context
 from privacy.channel import SecureChannel, accept_handshake
 from privacy.identity import Identity
 
@@ -44,15 +48,17 @@ class InferenceRPC:
     """Serves inference streams for one backend; ``check_hidden`` is the handler's tensor validation."""
 
     def __init__(self, backend: StageBackend, info: StageInfo, sessions: SessionRegistry, *,
-                 request_timeout: float, check_hidden, identity: Identity, require_encryption: bool = True) -> None:
+                 request_timeout: float, check_hidden, check_blocks, identity: Identity,
+                 require_encryption: bool = True, admission: Admission | None = None) -> None:
         self.backend, self.info, self.sessions = backend, info, sessions
-        self.request_timeout, self.check_hidden = request_timeout, check_hidden
+        self.request_timeout, self.check_hidden, self.check_blocks = request_timeout, check_hidden, check_blocks
         self.identity, self.require_encryption = identity, require_encryption
+        self.admission = admission or Admission()
 
     async def serve(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        owner, owned, stream = str(context.remote_id), {}, _Stream()
+        owner, owned, stream = str(context.remote_id), {}, _Stream(admitted=not self.admission.required)
         try:
             while True:
                 try:
@@ -73,7 +79,15 @@ class InferenceRPC:
                     yield reply(error=str(e))
                     continue
                 if isinstance(request, InferenceHello):
-                    yield self._hello(request, stream)
+                    yield self._hello(request, stream, context)
+                elif not stream.admitted:
+                    await self._skip_tensor(requests, message)
+                    if not isinstance(request, InferenceClose):
+                        yield reply(error="not admitted: this peer serves only members of its private swarm; "
+                                          "open the stream with a hello that carries a membership proof")
+                elif isinstance(request, ForwardRequest):
+                    for response in await self._forward(request, requests, message, stream):
+                        yield response
                 elif isinstance(request, InferenceOpen):
                     yield self._open(request, owner, owned)
                 elif isinstance(request, InferenceClose):
@@ -85,15 +99,58 @@ class InferenceRPC:
             for session_id in owned:
                 self.sessions.detach(session_id)
 
-    def _hello(self, request: InferenceHello, stream: _Stream) -> runtime_pb2.ExpertResponse:
-        """Key agreement: from now on every tensor on this stream is sealed (``privacy.channel``)."""
-        if stream.channel is not None:
-            return reply(error="this stream is already encrypted")
+    def _hello(self, request: InferenceHello, stream: _Stream, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        """Admission, then key agreement: from now on every tensor on this stream is sealed (``privacy.channel``).
+
+        The proof is bound to this RPC, this peer and the client's hello (its fresh X25519 key), so it cannot be
+        replayed on another stream or to another peer.
+        """
+        if stream.hello_seen:
+            return reply(error="this stream already had its hello")
+        stream.hello_seen = True
+        try:
+            context_bytes = proof_context("rpc_inference", self.identity.public_bytes, request.hello)
+            stream.member = self.admission.admit(request.proof, context_bytes, caller_key(context.remote_id))
+        except ValueError as e:
+            logger.info("rpc_inference(peer=...%s) not admitted: %s", str(context.remote_id)[-6:], e)
+            return reply(error=f"not admitted: {e}")
+        stream.admitted = True
+        if not request.hello:
+            return reply()
         try:
             handshake, stream.channel = accept_handshake(request.hello, self.identity)
         except ValueError as e:
             return reply(error=f"handshake refused: {e}")
         return runtime_pb2.ExpertResponse(metadata=InferenceReply(handshake=handshake).to_bytes())
+
+    async def _forward(self, request: ForwardRequest, requests: AsyncIterator, message: runtime_pb2.ExpertRequest,
+                       stream: _Stream) -> list[runtime_pb2.ExpertResponse]:
+        """A stateless forward through ``[start, end)``: one sealed tensor in, one out."""
+        try:
+            hidden = await self._read_tensor(requests, message, stream)
+            self.check_blocks(request.start, request.end)
+            self.check_hidden(hidden)
+            async with deadline(self.request_timeout):
+                output = await self.backend.forward(hidden, request.start, request.end)
+        except (RequestError, ValueError, asyncio.TimeoutError) as e:
+            error = str(e) or f"forward exceeded the deadline of {self.request_timeout:.0f} s"
+            logger.info("forward(blocks=%s:%s) refused: %s", request.start, request.end, error)
+            return [reply(error=error)]
+        return list(tensor_messages(output, InferenceReply().to_bytes(), runtime_pb2.ExpertResponse,
+                                    seal=stream.seal))
+
+    async def _read_tensor(self, requests: AsyncIterator, message: runtime_pb2.ExpertRequest,
+                           stream: _Stream) -> torch.Tensor:
+        """The tensor a request carries; refused (and skipped) on a plaintext stream when encryption is required."""
+        if stream.channel is None and self.require_encryption:
+            await self._skip_tensor(requests, message)
+            raise RequestError("this peer only takes encrypted streams: send a hello (handshake) first")
+        if not message.tensors:
+            raise RequestError("this request must carry a tensor")
+        async with deadline(self.request_timeout):
+            _, hidden = await read_tensor_messages(requests, self.info.max_request_bytes, first=message,
+                                                   unseal=stream.unseal)
+        return hidden
 
     def _open(self, request: InferenceOpen, owner: str, owned: dict) -> runtime_pb2.ExpertResponse:
         try:
@@ -117,12 +174,7 @@ class InferenceRPC:
     ) -> list[runtime_pb2.ExpertResponse]:
         """Validate each part, run the valid ones (the backend batches them), reply with outputs and errors."""
         try:
-            if stream.channel is None and self.require_encryption:
-                await self._skip_tensor(requests, message)
-                raise RequestError("this peer only takes encrypted streams: send a hello (handshake) first")
-            async with deadline(self.request_timeout):
-                _, hidden = await read_tensor_messages(requests, self.info.max_request_bytes, first=message,
-                                                       unseal=stream.unseal)
+            hidden = await self._read_tensor(requests, message, stream)
             parts = self._split(request, hidden, owned)
         except (RequestError, ValueError, asyncio.TimeoutError) as e:
             error = str(e) or f"step exceeded the deadline of {self.request_timeout:.0f} s"
@@ -181,9 +233,10 @@ class InferenceRPC:
 
 
 class _Stream:
-    """Per-stream state: the encrypted channel, once a hello has set it up."""
+    """Per-stream state: admitted or not, and the encrypted channel once a hello has set it up."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, admitted: bool) -> None:
+        self.admitted, self.hello_seen, self.member = admitted, False, ""
         self.channel: SecureChannel | None = None
 
     @property

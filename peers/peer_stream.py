@@ -20,6 +20,7 @@ from hivemind.proto import runtime_pb2
 
 from peers.protocol import (
     MAX_REPLY_BYTES,
+    ForwardRequest,
     InferenceClose,
     InferenceHello,
     InferenceOpen,
@@ -33,8 +34,9 @@ from peers.protocol import (
     tensor_messages,
     unsealer,
 )
+from privacy.admission import Admission, proof_context
 from privacy.channel import ClientHandshake, SecureChannel, new_session_id
-from privacy.errors import ChannelError
+from privacy.errors import ChannelError, MembershipError
 from privacy.peer_ids import public_key_of
 
 logger = logging.getLogger(__name__)
@@ -67,27 +69,44 @@ class PeerStream:
         self._channel: SecureChannel | None = None  # set by the handshake: seals every tensor both ways
 
     @classmethod
-    async def connect(cls, p2p: P2P, peer_id: str, *, encrypt: bool = True, timeout: float = 30.0) -> PeerStream:
+    async def connect(cls, p2p: P2P, peer_id: str, *, encrypt: bool = True, timeout: float = 30.0,
+                      admission: Admission | None = None) -> PeerStream:
         """Open the stream; with ``encrypt``, agree on keys with the peer whose public key is ``peer_id``.
 
         Every tensor on an encrypted stream is sealed with AES-GCM under keys only this client and that peer
-        hold: relays, other peers and the p2p daemons see ciphertext (shapes and dtypes stay visible).
+        hold: relays, other peers and the p2p daemons see ciphertext (shapes and dtypes stay visible). The hello
+        also carries ``admission``'s proof (a private swarm's membership proof, bound to this handshake).
         """
+        admission = admission or Admission()
         stream = cls(p2p, peer_id)
         stub = StageService.get_stub(p2p, PeerID.from_base58(peer_id))
         replies = await stub.rpc_inference(stream._requests())
         stream._reader = asyncio.create_task(stream._read(replies))
-        if encrypt:
+        if encrypt or admission.required:
             try:
-                handshake = ClientHandshake(public_key_of(peer_id), new_session_id())
-                reply, _ = await stream._request(pack_inference(InferenceHello(hello=handshake.hello())), None, timeout)
+                peer_key = public_key_of(peer_id)
+                handshake = ClientHandshake(peer_key, new_session_id()) if encrypt else None
+                hello = handshake.hello() if handshake else b""
+                proof = admission.proof(proof_context("rpc_inference", peer_key, hello))
+                metadata = pack_inference(InferenceHello(hello=hello, proof=proof))
+                reply, _ = await stream._request(metadata, None, timeout)
                 if reply.error:
-                    raise ChannelError(f"peer ...{peer_id[-6:]} refused the handshake: {reply.error}")
-                stream._channel = handshake.finish(reply.handshake)
+                    error = MembershipError if reply.error.startswith("not admitted") else ChannelError
+                    raise error(f"peer ...{peer_id[-6:]} refused the stream: {reply.error}")
+                if handshake is not None:
+                    stream._channel = handshake.finish(reply.handshake)
             except BaseException:
                 stream.shutdown()
                 raise
         return stream
+
+    async def forward(self, start: int, end: int, hidden: torch.Tensor, timeout: float) -> torch.Tensor:
+        """Blocks ``[start, end)`` of the peer on ``hidden`` (no session); ``RequestError`` if refused."""
+        reply, output = await self._request(pack_inference(ForwardRequest(start=start, end=end)), hidden, timeout)
+        if reply.error or output is None:
+            raise RequestError(f"peer ...{self.peer_id[-6:]} refused blocks {start}:{end}: "
+                               f"{reply.error or 'no output in the reply'}")
+        return output
 
     async def open(self, request: InferenceOpen, timeout: float) -> InferenceReply:
         reply, _ = await self._request(pack_inference(request), None, timeout)
@@ -230,7 +249,8 @@ class PeerStream:
                 if not self._waiting:
                     raise ConnectionError("the peer sent a reply nobody asked for")
                 future, timer = self._waiting.popleft()
-                timer.cancel()
+                if timer is not None:
+                    timer.cancel()
                 if not future.done():
                     future.set_result((reply, output))
             self.shutdown(ConnectionError(f"peer ...{self.peer_id[-6:]} closed the stream"))

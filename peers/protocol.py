@@ -70,18 +70,18 @@ class Message:
 
 
 @dataclasses.dataclass(frozen=True)
-class ForwardRequest(Message):
-    """Run hidden states through blocks ``[start, end)`` of the peer (no cache)."""
+class InfoRequest(Message):
+    """Ask a peer what it serves; ``proof`` is the caller's admission proof (empty in a public swarm)."""
 
-    start: int
-    end: int
+    proof: bytes = b""
 
 
 @dataclasses.dataclass(frozen=True)
-class ForwardReply(Message):
-    """Empty on success; ``error`` explains why a request was refused."""
+class ForwardRequest(Message):
+    """On a stream: run the message's hidden states through blocks ``[start, end)`` (no cache, no session)."""
 
-    error: str = ""
+    start: int
+    end: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,9 +118,11 @@ class InferenceClose(Message):
 
 @dataclasses.dataclass(frozen=True)
 class InferenceHello(Message):
-    """First request of an encrypted stream: the client's handshake (``privacy.channel.ClientHandshake``)."""
+    """First request of a stream: the client's handshake (``privacy.channel.ClientHandshake``; empty for a
+    plaintext stream) and its admission proof (``privacy.admission``; empty in a public swarm)."""
 
-    hello: bytes
+    hello: bytes = b""
+    proof: bytes = b""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +138,7 @@ class InferenceReply(Message):
 
 INFERENCE_KINDS: dict[str, type[Message]] = {
     "hello": InferenceHello, "open": InferenceOpen, "step": InferenceStep, "close": InferenceClose,
+    "forward": ForwardRequest,
 }
 
 
@@ -192,19 +195,15 @@ class StageService(ServicerBase):
         name = f"fusionswarm.StageService.{method_name}"
         return name if namespace is None else f"{namespace}::{name}"
 
-    async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+    async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        """``request.metadata`` is an ``InfoRequest``; the reply's ``serialized_info`` a ``StageInfo``."""
         raise NotImplementedError
-
-    async def rpc_forward(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        raise NotImplementedError
-        yield  # pragma: no cover  (makes this an async generator)
 
     async def rpc_inference(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """A long-lived stream: ``InferenceOpen``, then one message per step (``InferenceStep`` + hidden)."""
+        """The one long-lived stream that carries every tensor between a client and this peer: a hello
+        (handshake + admission), then forwards, inference sessions (open, steps, close) and training calls."""
         raise NotImplementedError
         yield  # pragma: no cover
 
@@ -255,18 +254,20 @@ async def read_tensor_messages(
     if len(first.tensors) != 1:
         raise RequestError(f"expected one tensor per message, got {len(first.tensors)}")
     parts, expected = [first.tensors[0]], max(1, first.tensors[0].chunks)
-    received = len(first.tensors[0].buffer) + len(first.metadata)
-    while len(parts) < expected:
-        if received > max_bytes:
-            break
+    received, count = len(first.tensors[0].buffer) + len(first.metadata), 1
+    while count < expected:  # an oversized tensor is still read to its end (and dropped): the stream stays in step
         try:
             message = await anext(stream)
         except StopAsyncIteration:
-            raise RequestError(f"stream ended after {len(parts)} of {expected} chunks") from None
+            raise RequestError(f"stream ended after {count} of {expected} chunks") from None
         if len(message.tensors) != 1:
             raise RequestError("malformed stream: a chunk message must carry exactly one tensor part")
         received += len(message.tensors[0].buffer) + len(message.metadata)
-        parts.append(message.tensors[0])
+        count += 1
+        if received <= max_bytes:
+            parts.append(message.tensors[0])
+        else:
+            parts.clear()
     if received > max_bytes:
         raise RequestError(f"request exceeds this peer's limit of {max_bytes} bytes; send smaller batches")
     serialized = runtime_pb2.Tensor()

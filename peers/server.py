@@ -10,19 +10,20 @@ import torch
 from hivemind.dht.node import DHTNode
 
 import peers
+from peers.access import load_admission, load_identity
 from peers.backend import StageBackend
 from peers.config import DTYPES, StageServerConfig
 from peers.handler import StageHandler
 from peers.model import ModelConfig, load_blocks
 from peers.protocol import StageInfo
 from peers.sessions import SessionRegistry
-from privacy.identity import Identity
 from swarm.announcer import Announcer
 from swarm.block_selection import choose_blocks
 from swarm.discovery import fetch_records, start_node, visible_maddrs
 from swarm.keys import check_model_name
 from swarm.measure import cached_throughput, time_per_call
 from swarm.records import PeerRecord, PeerState
+from swarm.revocations import keep_revocations
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +54,14 @@ class StageServer:
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set, then leave cleanly (announce offline, stop the daemon)."""
         swarm = self.config.swarm
-        path = str(swarm.identity_path) if swarm.identity_path else None
-        self.identity = Identity.load_or_create(path) if path else Identity.generate()  # signs our handshakes
+        self.identity = load_identity(swarm)  # our peer id; signs our handshakes
+        self.admission = load_admission(swarm, self.identity)  # who may call us; signs and seals our records
         self.node = await start_node(
             initial_peers=swarm.initial_peers,
             host_maddrs=swarm.host_maddrs,
             announce_maddrs=swarm.announce_maddrs,
             identity=self.identity,
+            record_validator=self.admission.record_validator(),
         )
         announcer = backend = handler = reaper = None
         try:
@@ -77,10 +79,11 @@ class StageServer:
                 max_batch_tokens=self.config.max_batch_tokens, active_sessions=sessions.attached_count,
             )
             await backend.launch()
-            reaper = asyncio.create_task(_reap_forever(sessions))
+            reaper = asyncio.gather(_reap_forever(sessions), keep_revocations(
+                self.node, self.admission, period=self.config.update_period))
             handler = StageHandler(backend, self._make_info(peer_id, start, end, throughput), sessions,
                                    request_timeout=self.config.request_timeout, identity=self.identity,
-                                   require_encryption=self.config.require_encryption)
+                                   require_encryption=self.config.require_encryption, admission=self.admission)
             await handler.add_p2p_handlers(self.node.p2p)
             addresses = tuple(self.config.swarm.announce_maddrs) or tuple(await visible_maddrs(self.node))
             announcer.update(state=PeerState.ONLINE, throughput=throughput, addresses=addresses)

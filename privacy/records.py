@@ -5,8 +5,9 @@ or receives in a find (and before storing its own), and ``strip_value`` only on 
 ``get`` returns them. Values are bytes in and out: ``record.value`` is the msgpack the application stored.
 ``record.key`` is the DHTID bytes of the key and ``record.subkey`` the msgpack of the subkey.
 
-Every record must be a dictionary entry stored under ``subkey=member_subkey(own public key)``, so a member can
-neither impersonate nor overwrite another member's entry; plain (subkey-less) values are refused.
+Every record must be a dictionary entry stored under ``subkey=member_subkey(own public key)``, which is the
+member's libp2p peer id: a member can neither impersonate nor overwrite another member's entry, nor announce a
+record under a peer id that is not its own; plain (subkey-less) values are refused.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from privacy.certificates import WIRE_VERSION, Certificate, MemberCredentials, c
 from privacy.errors import MembershipError
 from privacy.identity import SIGNATURE_SIZE, Identity, verify_signature
 from privacy.membership import MembershipVerifier
+from privacy.peer_ids import peer_id_of
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +38,9 @@ NONCE_SIZE = 12
 
 
 def member_subkey(member_key: bytes) -> str:
-    """The DHT subkey under which the member with Ed25519 public key ``member_key`` must store its records."""
-    return "member:" + bytes(member_key).hex()
+    """The DHT subkey under which the member with Ed25519 public key ``member_key`` must store its records:
+    its peer id, the same subkey a public swarm uses."""
+    return peer_id_of(bytes(member_key))
 
 
 def record_key(swarm_secret: bytes, swarm_id: str) -> bytes:

@@ -8,6 +8,7 @@ import tempfile
 from collections.abc import Sequence
 
 from hivemind.dht.node import DHTNode
+from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils import get_dht_time
 
 from privacy._files import write_private
@@ -61,12 +62,14 @@ async def start_node(
     identity: Identity | None = None,
     client_mode: bool = False,
     wait_timeout: float = 5.0,
+    record_validator: RecordValidatorBase | None = None,
 ) -> DHTNode:
     """Start a DHT node with its own p2p daemon, joined to ``initial_peers`` (none: a new swarm).
 
     The node's peer id is the public key of its Ed25519 identity: ``identity`` if given (already loaded by the
     caller), else the one in ``identity_path`` (created, mode 0600, if missing; the id then survives
     restarts), else one the daemon makes up. A client can check a peer's handshake against the id it dialled.
+    ``record_validator`` (a private swarm's, from ``privacy.admission``) signs, encrypts and checks every record.
     """
     with tempfile.TemporaryDirectory(prefix="fusionswarm-id-") as tmp:
         options = {}
@@ -85,6 +88,7 @@ async def start_node(
                 announce_maddrs=list(announce_maddrs) or None,
                 client_mode=client_mode,
                 wait_timeout=wait_timeout,
+                record_validator=record_validator,
                 **options,
             )
         except Exception as e:

@@ -20,3 +20,8 @@ def check_model_name(model: str) -> str:
 def peers_key(model: str) -> str:
     """The key under which every peer of ``model`` announces its record; the subkey is the peer id."""
     return f"{KEY_PREFIX}.{check_model_name(model)}.peers"
+
+
+def revocations_key() -> str:
+    """The key under which members of a private swarm keep its owner's newest revocation; subkey: peer id."""
+    return f"{KEY_PREFIX}.revocations"

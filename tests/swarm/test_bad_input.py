@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
-from hivemind.p2p import PeerID
 
-from peers.protocol import ForwardReply, RequestError, StageService, tensor_messages
+from peers.peer_stream import PeerStream
+from peers.protocol import ForwardRequest, RequestError, pack_inference, tensor_messages
 
 
 def _peer(llama_client, start: int) -> str:
@@ -47,40 +49,57 @@ def test_bad_request_is_refused_and_peer_keeps_serving(llama_client, hidden, sta
     _assert_still_serving(llama_client)
 
 
+async def _encrypted_stream(llama_client, peer_id: str) -> PeerStream:
+    return await PeerStream.connect(llama_client.node.p2p, peer_id, timeout=10)
+
+
 def test_malformed_metadata_is_refused(llama_client):
     peer_id = _peer(llama_client, 0)
 
-    async def call():
-        stub = StageService.get_stub(llama_client.node.p2p, PeerID.from_base58(peer_id))
+    async def go():
+        stream = await _encrypted_stream(llama_client, peer_id)
+        try:
+            bad, _ = await stream._request(b"\xc1 not msgpack", torch.randn(1, 2, 64), 10)
+            good = await stream.forward(0, 4, torch.randn(1, 2, 64), 10)  # the same stream goes on serving
+            return bad.error, good
+        finally:
+            stream.shutdown()
 
-        async def requests():
-            for message in tensor_messages(torch.randn(1, 2, 64), b"\xc1 not msgpack"):
-                yield message
-
-        first = await anext(await stub.rpc_forward(requests()))
-        return ForwardReply.from_bytes(first.metadata).error
-
-    error = llama_client._loop.run(call())
-    assert "malformed ForwardRequest" in error
+    error, good = llama_client._loop.run(go())
+    assert "malformed inference request" in error and good.shape == (1, 2, 64)
     _assert_still_serving(llama_client)
+
+
+def test_oversized_tensor_is_skipped_and_the_stream_stays_in_step(llama_client):
+    peer_id = _peer(llama_client, 0)
+
+    async def go():
+        stream = await _encrypted_stream(llama_client, peer_id)
+        try:
+            with pytest.raises(RequestError, match="exceeds this peer's limit"):
+                await stream.forward(0, 4, torch.randn(8, 1200, 64), 10)
+            return await stream.forward(0, 4, torch.randn(1, 2, 64), 10)
+        finally:
+            stream.shutdown()
+
+    assert llama_client._loop.run(go()).shape == (1, 2, 64)
 
 
 def test_truncated_stream_is_refused(llama_client):
     """A client that sends the first chunk of a multi-chunk tensor and then hangs up loses only its request."""
     peer_id = _peer(llama_client, 0)
 
-    async def call():
-        stub = StageService.get_stub(llama_client.node.p2p, PeerID.from_base58(peer_id))
-        from peers.protocol import ForwardRequest
-
-        messages = list(tensor_messages(torch.randn(4, 1200, 64), ForwardRequest(start=0, end=4).to_bytes()))
+    async def go():
+        stream = await _encrypted_stream(llama_client, peer_id)
+        metadata = pack_inference(ForwardRequest(start=0, end=4))
+        messages = list(tensor_messages(torch.randn(4, 1200, 64), metadata, seal=stream._seal))
         assert len(messages) > 1
+        future = asyncio.get_running_loop().create_future()
+        stream._waiting.append((future, None))
+        stream._outbox.put_nowait(messages[0])
+        stream._outbox.put_nowait(None)  # hang up after the first chunk
+        reply, _ = await asyncio.wait_for(future, 10)
+        return reply.error
 
-        async def requests():
-            yield messages[0]
-
-        first = await anext(await stub.rpc_forward(requests()))
-        return ForwardReply.from_bytes(first.metadata).error
-
-    assert "stream ended after 1 of" in llama_client._loop.run(call())
+    assert "stream ended after 1 of" in llama_client._loop.run(go())
     _assert_still_serving(llama_client)

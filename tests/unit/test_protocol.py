@@ -14,8 +14,10 @@ from hivemind.proto import runtime_pb2
 
 from peers.protocol import (
     CHUNK_BYTES,
-    ForwardReply,
     ForwardRequest,
+    InferenceHello,
+    InferenceReply,
+    InfoRequest,
     RequestError,
     StageInfo,
     StageService,
@@ -63,8 +65,10 @@ def read(messages, max_bytes: int = 1 << 30):
         (ForwardRequest, pack({"start": None, "end": 4}), "field 'start' must be int"),
         (ForwardRequest, pack({"start": True, "end": 4}), "field 'start' must be int"),
         (ForwardRequest, pack({"start": 0, "end": False}), "field 'end' must be int"),
-        (ForwardReply, pack({"error": 5}), "field 'error' must be str"),
-        (ForwardReply, pack({"error": b"bytes"}), "field 'error' must be str"),
+        (InferenceReply, pack({"error": 5}), "field 'error' must be str"),
+        (InferenceReply, pack({"error": b"bytes"}), "field 'error' must be str"),
+        (InfoRequest, pack({"proof": "text"}), "field 'proof' must be bytes"),
+        (InferenceHello, pack({"proof": 1}), "field 'proof' must be bytes"),
         (StageInfo, pack({**INFO, "throughput": "fast"}), "field 'throughput' must be float"),
         (StageInfo, pack({**INFO, "throughput": True}), "field 'throughput' must be float"),
         (StageInfo, pack({**INFO, "max_batch_size": True}), "field 'max_batch_size' must be int"),
@@ -83,9 +87,11 @@ def test_from_bytes_errors(cls, data, match):
     [
         ForwardRequest(start=0, end=4),
         ForwardRequest(start=17, end=80),
-        ForwardReply(),
-        ForwardReply(error="this peer serves blocks 0:4, not 2:6"),
-        ForwardReply(error="ünïcödé ✓"),
+        InferenceReply(),
+        InferenceReply(error="this peer serves blocks 0:4, not 2:6"),
+        InferenceReply(error="ünïcödé ✓"),
+        InfoRequest(proof=b"\x00proof"),
+        InferenceHello(hello=b"h", proof=b"p"),
         StageInfo(**INFO),
         StageInfo(**{**INFO, "dtype": "bfloat16", "throughput": 0.0, "version": ""}),
     ],
@@ -102,7 +108,7 @@ def test_message_round_trip(message):
     "cls, raw, expected",
     [
         (StageInfo, {**INFO, "throughput": 100}, StageInfo(**{**INFO, "throughput": 100.0})),  # int -> float
-        (ForwardReply, {}, ForwardReply(error="")),  # defaults fill missing optional fields
+        (InferenceReply, {}, InferenceReply(error="")),  # defaults fill missing optional fields
         (ForwardRequest, {"start": 1, "end": 2, "newer_field": [1, 2]}, ForwardRequest(1, 2)),  # ignored
     ],
 )
@@ -118,10 +124,11 @@ def test_stage_service_rpcs_stream():
     StageService._collect_rpc_handlers()
     handlers = {h.method_name: h for h in StageService._rpc_handlers}
     assert handlers["rpc_info"].stream_input is False and handlers["rpc_info"].stream_output is False
-    assert handlers["rpc_forward"].stream_input is True
-    assert handlers["rpc_forward"].stream_output is True
-    assert handlers["rpc_forward"].request_type is runtime_pb2.ExpertRequest
-    assert handlers["rpc_forward"].response_type is runtime_pb2.ExpertResponse
+    assert handlers["rpc_info"].request_type is runtime_pb2.ExpertRequest
+    assert handlers["rpc_inference"].stream_input is True
+    assert handlers["rpc_inference"].stream_output is True
+    assert handlers["rpc_inference"].request_type is runtime_pb2.ExpertRequest
+    assert handlers["rpc_inference"].response_type is runtime_pb2.ExpertResponse
 
 
 # ---- tensor streams -------------------------------------------------------------------------------------------

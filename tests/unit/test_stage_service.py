@@ -12,8 +12,8 @@ from peers.protocol import StageService
 def test_tensor_rpcs_are_bidirectional_streams(cls):
     cls._collect_rpc_handlers()
     kinds = {h.method_name: (h.stream_input, h.stream_output) for h in cls._rpc_handlers}
-    assert kinds == {"rpc_info": (False, False), "rpc_forward": (True, True), "rpc_inference": (True, True)}
+    assert kinds == {"rpc_info": (False, False), "rpc_inference": (True, True)}
 
 
 def test_handle_names_do_not_depend_on_the_subclass():
-    assert StageHandler._get_handle_name(None, "rpc_forward") == StageService._get_handle_name(None, "rpc_forward")
+    assert StageHandler._get_handle_name(None, "rpc_inference") == StageService._get_handle_name(None, "rpc_inference")
