@@ -67,6 +67,19 @@ def test_daemon_sees_no_plaintext_hidden_states(open_peer, llama_dir, wire, encr
     assert wire and found == (not encrypt)  # the control (encryption off) shows the search would find them
 
 
+@pytest.mark.parametrize("encrypt", [True, False])
+def test_daemon_sees_no_plaintext_in_a_forward(open_peer, llama_dir, wire, encrypt):
+    swarm, peer_id = open_peer
+    with _client(swarm, llama_dir, encrypt=encrypt) as client:
+        hidden = torch.randn(2, 5, 64)
+        client.loop.run(client.peer_stream(peer_id))  # the handshake is not what we search
+        wire.clear()
+        output = client.loop.run(client.call_forward(peer_id, hidden, 0, 8))
+    assert output.shape == hidden.shape
+    needle = hidden.numpy().tobytes()[64:96]
+    assert wire and any(needle in message for message in wire) == (not encrypt)
+
+
 def test_generation_is_identical_with_encryption_on_and_off(open_peer, llama_dir):
     swarm, _ = open_peer
     input_ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(3))
