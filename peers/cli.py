@@ -9,6 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
+from peers.cli_membership import add_membership_commands
 from peers.config import DEFAULT_CACHE_DIR, LOCAL_HOST_MADDRS, StageServerConfig, SwarmConfig, parse_block_indices
 
 logger = logging.getLogger("peers.cli")
@@ -91,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="also run the first N blocks here, so peers never see the earliest activations")
     gen.set_defaults(func=_cmd_generate)
 
+    add_membership_commands(sub)
+
     demo = sub.add_parser("demo", help="a whole swarm on this machine: bootstrap, 3 peers, a client")
     demo.add_argument("--workdir", type=Path, default=DEFAULT_CACHE_DIR / "demo", help="models and logs")
     demo.set_defaults(func=_cmd_demo)
@@ -108,6 +111,10 @@ def _swarm_flags(parser: argparse.ArgumentParser, *, joining: bool, new_swarm: b
     )
     parser.add_argument("--announce_maddrs", nargs="+", default=[], help="public addresses to announce")
     parser.add_argument("--identity_path", type=Path, default=None, help="key file that fixes this peer id")
+    parser.add_argument("--private", type=Path, default=None, metavar="CREDENTIALS",
+                        help="join a private swarm with these member credentials (from `swarm invite`)")
+    parser.add_argument("--revocations", type=Path, default=None,
+                        help="a private swarm's revocation file from `swarm revoke` (members also spread it)")
 
 
 def _swarm_config(args: argparse.Namespace) -> SwarmConfig:
@@ -116,25 +123,34 @@ def _swarm_config(args: argparse.Namespace) -> SwarmConfig:
         host_maddrs=tuple(args.host_maddrs),
         announce_maddrs=tuple(args.announce_maddrs),
         identity_path=args.identity_path,
+        credentials_path=args.private,
+        revocation_path=args.revocations,
         new_swarm=getattr(args, "new_swarm", False),
     )
 
 
 def _cmd_dht(args: argparse.Namespace) -> int:
+    from peers.access import load_admission, load_identity
     from swarm.discovery import start_node, visible_maddrs
+    from swarm.revocations import keep_revocations
 
     swarm = _swarm_config(args)
+    identity = load_identity(swarm)
+    admission = load_admission(swarm, identity)
 
     async def run(stop: asyncio.Event) -> None:
         node = await start_node(
-            host_maddrs=swarm.host_maddrs, announce_maddrs=swarm.announce_maddrs,
-            identity_path=str(swarm.identity_path) if swarm.identity_path else None,
+            host_maddrs=swarm.host_maddrs, announce_maddrs=swarm.announce_maddrs, identity=identity,
+            record_validator=admission.record_validator(),
         )
+        revocations = asyncio.ensure_future(keep_revocations(node, admission, period=15.0))
         try:
             maddrs = await visible_maddrs(node)
             print(f"To connect other peers to this one, use --initial_peers {' '.join(maddrs)}", flush=True)
+            print(f"This is a {admission.describe()}", flush=True)
             await stop.wait()
         finally:
+            revocations.cancel()
             await node.shutdown()
 
     _run_until_signal(run)
@@ -180,8 +196,14 @@ def _cmd_status(args: argparse.Namespace) -> int:
     else:
         name = args.model
 
+    from peers.access import load_admission, load_identity
+
+    identity = load_identity(swarm)
+    admission = load_admission(swarm, identity)
+
     async def snapshot():
-        node = await start_node(initial_peers=swarm.initial_peers, host_maddrs=swarm.host_maddrs, client_mode=True)
+        node = await start_node(initial_peers=swarm.initial_peers, host_maddrs=swarm.host_maddrs, client_mode=True,
+                                identity=identity, record_validator=admission.record_validator())
         try:
             return await asyncio.wait_for(fetch_records(node, name), swarm.dht_timeout)
         finally:

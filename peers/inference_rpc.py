@@ -80,11 +80,10 @@ class InferenceRPC:
                     continue
                 if isinstance(request, InferenceHello):
                     yield self._hello(request, stream, context)
-                elif not stream.admitted:
+                elif refusal := self._refusal(stream):
                     await self._skip_tensor(requests, message)
                     if not isinstance(request, InferenceClose):
-                        yield reply(error="not admitted: this peer serves only members of its private swarm; "
-                                          "open the stream with a hello that carries a membership proof")
+                        yield reply(error=refusal)
                 elif isinstance(request, ForwardRequest):
                     for response in await self._forward(request, requests, message, stream):
                         yield response
@@ -98,6 +97,17 @@ class InferenceRPC:
         finally:
             for session_id in owned:
                 self.sessions.detach(session_id)
+
+    def _refusal(self, stream: _Stream) -> str:
+        """Why this stream may not make requests (never admitted, or its certificate expired or was revoked)."""
+        if not stream.admitted:
+            return ("not admitted: this peer serves only members of its private swarm; open the stream with a "
+                    "hello that carries a membership proof")
+        try:
+            self.admission.recheck(stream.member)
+        except ValueError as e:
+            return f"not admitted any more: {e}"
+        return ""
 
     def _hello(self, request: InferenceHello, stream: _Stream, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """Admission, then key agreement: from now on every tensor on this stream is sealed (``privacy.channel``).
@@ -236,7 +246,7 @@ class _Stream:
     """Per-stream state: admitted or not, and the encrypted channel once a hello has set it up."""
 
     def __init__(self, *, admitted: bool) -> None:
-        self.admitted, self.hello_seen, self.member = admitted, False, ""
+        self.admitted, self.hello_seen, self.member = admitted, False, None  # member: what admission returned
         self.channel: SecureChannel | None = None
 
     @property

@@ -15,6 +15,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from peers.config import SwarmConfig
+from privacy.identity import Identity
+from privacy.membership import SwarmOwner
+
 READY_PEER = re.compile(r"Serving blocks (\d+):(\d+) of \S+ as peer (\w+)")
 READY_DHT = re.compile(r"--initial_peers (.+)$", re.MULTILINE)
 
@@ -81,14 +85,40 @@ class SwarmProcess:
 class LocalSwarm:
     """A bootstrap peer plus stage peers on 127.0.0.1; a context manager that stops all of them."""
 
-    def __init__(self, workdir: Path, *, update_period: float = 2.0, num_threads: int | None = 1) -> None:
+    def __init__(self, workdir: Path, *, update_period: float = 2.0, num_threads: int | None = 1,
+                 private: bool = False) -> None:
         self.workdir = Path(workdir)
         self.update_period, self.num_threads = update_period, num_threads
         self.processes: list[SwarmProcess] = []
         self.initial_peers: list[str] = []
+        self.owner = SwarmOwner.generate() if private else None  # a private swarm: every process is invited
+
+    def member_flags(self, name: str, ttl: float = 86400.0) -> list[str]:
+        """``--identity_path`` and ``--private`` flags of a new member ``name`` (none in a public swarm)."""
+        if self.owner is None:
+            return []
+        identity_path, credentials_path = self.member_files(name, ttl)
+        return ["--identity_path", str(identity_path), "--private", str(credentials_path)]
+
+    def member_files(self, name: str, ttl: float = 86400.0) -> tuple[Path, Path]:
+        """Create member ``name``'s identity and have the owner invite it: (identity file, credentials file)."""
+        if self.owner is None:
+            raise RuntimeError("a public swarm has no members: make the LocalSwarm with private=True")
+        folder = self.workdir / "members"
+        identity = Identity.load_or_create(folder / f"{name}.id")
+        self.owner.invite(identity.public_bytes, name, ttl).save(folder / f"{name}.member", overwrite=True)
+        return folder / f"{name}.id", folder / f"{name}.member"
+
+    def swarm_config(self, name: str = "client", ttl: float = 86400.0) -> SwarmConfig:
+        """How an in-process client joins this swarm (as invited member ``name`` if the swarm is private)."""
+        if self.owner is None:
+            return SwarmConfig(initial_peers=tuple(self.initial_peers))
+        identity_path, credentials_path = self.member_files(name, ttl)
+        return SwarmConfig(initial_peers=tuple(self.initial_peers), identity_path=identity_path,
+                           credentials_path=credentials_path)
 
     def start_dht(self, timeout: float = 60.0) -> list[str]:
-        proc = self._spawn(["dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"], "dht")
+        proc = self._spawn(["dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0", *self.member_flags("dht")], "dht")
         line = proc.wait_for(READY_DHT, timeout).group(1)
         self.initial_peers = [m for m in line.split() if m.startswith("/ip4/127.0.0.1/")] or line.split()
         return self.initial_peers
@@ -112,7 +142,8 @@ class LocalSwarm:
             "--update_period", str(self.update_period), "--cache_dir", str(self.workdir / "cache"),
             *(["--num_threads", str(self.num_threads)] if self.num_threads else []), *extra,
         ]
-        proc = self._spawn(args, name or f"peer{len(self.processes)}")
+        name = name or f"peer{len(self.processes)}"
+        proc = self._spawn([*args, *self.member_flags(name)], name)
         if wait:
             self.wait_ready(proc, timeout)
         return proc

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from privacy.errors import MembershipError, PrivacyError
 from privacy.identity import Identity
-from privacy.membership import MemberCredentials, MembershipVerifier, Revocation, SwarmInfo, make_proof
+from privacy.membership import Certificate, MemberCredentials, MembershipVerifier, Revocation, SwarmInfo, make_proof
 from privacy.peer_ids import public_key_of
 from privacy.records import PrivateRecordValidator
 
@@ -46,9 +46,12 @@ class Admission:
     def proof(self, context: bytes) -> bytes:
         return b""
 
-    def admit(self, proof: bytes, context: bytes, caller_key: bytes | None) -> str:
-        """The caller's member name ("" in a public swarm); raises ``MembershipError`` to refuse it."""
-        return ""
+    def admit(self, proof: bytes, context: bytes, caller_key: bytes | None) -> Certificate | None:
+        """The caller's certificate (None in a public swarm); raises ``MembershipError`` to refuse it."""
+        return None
+
+    def recheck(self, admitted: Certificate | None) -> None:
+        """Raise ``MembershipError`` if what ``admit`` returned has since expired or been revoked."""
 
     def record_validator(self):
         """A hivemind record validator for this swarm's DHT records, or None (public records)."""
@@ -102,7 +105,7 @@ class MemberAdmission(Admission):
     def proof(self, context: bytes) -> bytes:
         return make_proof(self.identity, self.credentials.certificate, context)
 
-    def admit(self, proof: bytes, context: bytes, caller_key: bytes | None) -> str:
+    def admit(self, proof: bytes, context: bytes, caller_key: bytes | None) -> Certificate:
         if not proof:
             raise MembershipError(f"this peer serves only members of private swarm {self.swarm_id[:16]}...; "
                                   f"join with member credentials from its owner (`swarm invite`)")
@@ -113,7 +116,12 @@ class MemberAdmission(Admission):
         if cert.member_key != bytes(caller_key):
             raise MembershipError(f"{cert} was presented by another peer: a member's proof is valid only from the "
                                   f"member's own peer id")
-        return cert.name
+        return cert
+
+    def recheck(self, admitted: Certificate | None) -> None:
+        if admitted is None:
+            raise MembershipError("this stream was never admitted")
+        self.verifier.verify(admitted)  # signature cached: checks expiry and revocations
 
     def record_validator(self) -> PrivateRecordValidator:
         return self._validator
