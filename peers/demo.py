@@ -32,6 +32,7 @@ def run_demo(workdir: Path) -> int:
     from tokenizers import Tokenizer
 
     from peers.client import SwarmClient
+    from peers.config import ClientConfig
     from peers.model import LocalModel
     from peers.status import print_status
 
@@ -41,7 +42,9 @@ def run_demo(workdir: Path) -> int:
     model_dir = ensure_demo_model(workdir)
     console.print(f"Model: {model_dir} (tiny Llama, {DEMO_MODEL['num_layers']} blocks, random weights)")
     t0 = time.perf_counter()
-    with LocalSwarm(workdir, update_period=2.0) as swarm:
+    with LocalSwarm(workdir, update_period=2.0, private=True) as swarm:
+        console.print(f"Private swarm {swarm.owner.swarm_id[:16]}...: the owner invites each process; records are "
+                      f"signed and encrypted, and peers serve only members")
         with console.status("Starting the bootstrap peer ..."):
             initial_peers = swarm.start_dht()
         console.print(f"Bootstrap peer up: --initial_peers {' '.join(initial_peers)}")
@@ -51,9 +54,10 @@ def run_demo(workdir: Path) -> int:
                 proc = swarm.start_peer(model_dir, name=name, extra=["--public_name", name], **kwargs)
             console.print(f"{name} serves blocks {proc.blocks[0]}:{proc.blocks[1]} (pid {proc.pid})")
 
-        with console.status("Connecting a client ..."):
-            client = SwarmClient(model_dir, initial_peers=initial_peers)
+        with console.status("Connecting a client (member 'client') ..."):
+            client = SwarmClient(model_dir, config=ClientConfig(swarm=swarm.swarm_config("client")))
         try:
+            _show_outsider(console, swarm, model_dir)
             tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
             input_ids = torch.tensor([tokenizer.encode(PROMPT).ids])
             with console.status("Forward through the swarm ..."):
@@ -75,6 +79,23 @@ def run_demo(workdir: Path) -> int:
     )
     console.print(f"Stopped every process the demo started ({time.perf_counter() - t0:.1f} s in all).")
     return 0 if ok else 1
+
+
+def _show_outsider(console: Console, swarm: LocalSwarm, model_dir: Path) -> None:
+    """A client without credentials that knows the bootstrap address: it sees no records and is refused."""
+    from peers.client import SwarmClient
+    from peers.config import ClientConfig, SwarmConfig
+
+    with console.status("An outsider (no invite) tries the same swarm ..."):
+        with SwarmClient(model_dir, config=ClientConfig(swarm=SwarmConfig(initial_peers=tuple(swarm.initial_peers)),
+                                                        request_timeout=10)) as outsider:
+            readable = outsider.records()
+            try:
+                outsider.info(swarm.processes[1].peer_id)
+                refused = "[red]was served[/red]"
+            except Exception as e:
+                refused = f"refused ({str(e).split(':')[-1].strip()[:60]}...)"
+    console.print(f"Outsider: {len(readable)} readable records; its request to a peer was {refused}")
 
 
 def _generate(console: Console, client, local, input_ids: torch.Tensor, new_tokens: int = 24) -> bool:

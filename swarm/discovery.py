@@ -38,8 +38,12 @@ async def fetch_records(node: DHTNode, model: str) -> list[PeerRecord]:
     found = await node.get(peers_key(model), latest=True)
     if found is None or not isinstance(found.value, dict):
         return []
-    records = []
+    records, sealed = [], 0
     for subkey, item in found.value.items():
+        value = getattr(item, "value", None)
+        if isinstance(value, dict) and {"cert", "ct", "sig"} <= value.keys():  # a private swarm's sealed record
+            sealed += 1
+            continue
         try:
             record = PeerRecord.from_wire(getattr(item, "value", None))
             if record.peer_id != subkey:
@@ -50,6 +54,9 @@ async def fetch_records(node: DHTNode, model: str) -> list[PeerRecord]:
             logger.warning("Dropped an invalid record under %s: %s", peers_key(model), e)
             continue
         records.append(record)
+    if sealed:
+        logger.warning("%d record(s) under %s are sealed: this is a private swarm; join it with --private "
+                       "CREDENTIALS from its owner's `swarm invite`", sealed, peers_key(model))
     return sorted(records, key=lambda r: r.peer_id)
 
 
