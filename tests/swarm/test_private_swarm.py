@@ -152,3 +152,16 @@ def _serial(swarm: LocalSwarm, name: str) -> str:
     from privacy.membership import MemberCredentials
 
     return MemberCredentials.load(swarm.workdir / "members" / f"{name}.member").certificate.serial
+
+
+def test_generate_command_with_private(private_swarm, llama_dir):
+    """`swarm generate --private CREDENTIALS` as a newcomer would type it."""
+    identity_path, credentials_path = private_swarm.member_files("cli-user")
+    args = [sys.executable, "-m", "peers.cli", "generate", str(llama_dir), "--prompt", "hello", "--max_new_tokens",
+            "4", "--initial_peers", *private_swarm.initial_peers, "--identity_path", str(identity_path),
+            "--private", str(credentials_path)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("hello")
+    outsider = subprocess.run(args[:-4], capture_output=True, text=True, timeout=120)
+    assert outsider.returncode != 0 and "private swarm" in outsider.stderr
