@@ -1,0 +1,108 @@
+"""``LocalTrainer``: the whole model trained in one process with plain autograd; the numerical reference.
+
+It splits the parameters into the same parts as the swarm (the trainer's embedding + head, and one
+part per stage range) and gives each part its own AdamW and its own grad-norm clipping, so a swarm
+run with the same stage ranges must reproduce its parameters and losses.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from peers.model.checkpoint import load_blocks, load_client_parts
+from peers.model.config import ModelConfig
+from peers.model.local import default_position_ids
+
+from .config import OptimConfig
+from .part import PartOptimizer, unique_parameters
+
+logger = logging.getLogger(__name__)
+
+
+def loss_of(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy: ``logits[:, :-1]`` predict ``input_ids[:, 1:]``."""
+    if logits.shape[:2] != input_ids.shape or input_ids.shape[1] < 2:
+        raise ValueError(f"logits {tuple(logits.shape)} do not fit input_ids {tuple(input_ids.shape)} "
+                         "(need [batch, seq >= 2, vocab] and [batch, seq])")
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), input_ids[:, 1:].reshape(-1))
+
+
+def check_stage_ranges(stages: Sequence[tuple[int, int]], num_layers: int) -> list[tuple[int, int]]:
+    """Validate that ``stages`` cover blocks ``0 .. num_layers`` contiguously, in order."""
+    ranges = [(int(a), int(b)) for a, b in stages]
+    at = 0
+    for a, b in ranges:
+        if a != at or b <= a:
+            raise ValueError(f"stages {ranges} must be non-empty ranges covering blocks 0..{num_layers} in order, "
+                             "e.g. [(0, 2), (2, 4)]")
+        at = b
+    if at != num_layers:
+        raise ValueError(f"stages {ranges} end at block {at}, but the model has {num_layers} blocks")
+    return ranges
+
+
+class LocalTrainer:
+    """Embedding, per-stage blocks and head in one process; one AdamW + clipping per part."""
+
+    def __init__(self, model_dir: str | Path, optim: OptimConfig, accumulation: int, *,
+                 stages: Sequence[tuple[int, int]] | None = None, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | None = torch.float32) -> None:
+        if accumulation < 1:
+            raise ValueError(f"accumulation must be >= 1, got {accumulation}")
+        self.config = ModelConfig.from_dir(model_dir)
+        self.accumulation = accumulation
+        ranges = check_stage_ranges(stages or [(0, self.config.num_layers)], self.config.num_layers)
+        self.embedding, self.head = load_client_parts(model_dir, device=device, dtype=dtype)
+        for module in (self.embedding, self.head):
+            module.requires_grad_(True).train()
+        self.blocks = [load_blocks(model_dir, a, b, device=device, dtype=dtype).requires_grad_(True).train()
+                       for a, b in ranges]
+        self.client = PartOptimizer(unique_parameters(self.embedding, self.head), optim)
+        self.stage_parts = [PartOptimizer(b.parameters(), optim) for b in self.blocks]
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done."""
+        return self.client.step_count
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, T, vocab]`` for ``input_ids [B, T]`` (with grad when grad mode is on)."""
+        positions = default_position_ids(input_ids)
+        hidden = self.embedding.embed(input_ids, positions)
+        for blocks in self.blocks:
+            hidden, _ = blocks(hidden, positions)
+        return self.head.head(hidden)
+
+    def train_step(self, micro_batches: Sequence[torch.Tensor]) -> float:
+        """One optimizer step over ``accumulation`` micro-batches ``[b, T + 1]``; returns their mean loss."""
+        if len(micro_batches) != self.accumulation:
+            raise ValueError(f"train_step needs {self.accumulation} micro-batches (accumulation), "
+                             f"got {len(micro_batches)}")
+        total = 0.0
+        for input_ids in micro_batches:
+            loss = loss_of(self.logits(input_ids), input_ids) / self.accumulation
+            loss.backward()
+            total += loss.item()
+        for part in (self.client, *self.stage_parts):
+            part.step()
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, input_ids: torch.Tensor) -> float:
+        """Mean next-token loss on ``input_ids [B, T]`` without touching gradients."""
+        return loss_of(self.logits(input_ids), input_ids).item()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter (detached): ``embedding.*``, ``head.*`` and ``blocks.<absolute layer>.*``."""
+        out = {f"embedding.{k}": p.detach() for k, p in self.embedding.named_parameters()}
+        out.update({f"head.{k}": p.detach() for k, p in self.head.named_parameters()})
+        for blocks in self.blocks:
+            for k, p in blocks.named_parameters():
+                index, rest = k.split(".", 1)
+                out[f"blocks.{blocks.start + int(index)}.{rest}"] = p.detach()
+        return out

@@ -1,0 +1,87 @@
+"""``PartOptimizer``: the gradients and AdamW of one training part, clipped on their own.
+
+A part is one stage's blocks (on a peer) or the trainer's embedding + head. Each part clips its own
+global grad-norm: clipping is per part, not over the whole model, and the one-process reference
+(``LocalTrainer``) clips the same parts separately so both give identical results.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from .config import OptimConfig
+from .schedule import lr_at, make_optimizer, set_lr
+
+logger = logging.getLogger(__name__)
+
+
+def unique_parameters(*modules: nn.Module) -> list[nn.Parameter]:
+    """Parameters of ``modules`` in order, each once (a tied lm_head/embedding weight counts once)."""
+    seen: dict[int, nn.Parameter] = {}
+    for module in modules:
+        for p in module.parameters():
+            seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+class PartOptimizer:
+    """Accumulates gradients for ``params``; ``step()`` clips, applies the lr schedule, steps AdamW, zeroes."""
+
+    def __init__(self, params: Iterable[nn.Parameter], optim: OptimConfig) -> None:
+        self.params = list({id(p): p for p in params}.values())
+        self.optim = optim
+        self.optimizer = make_optimizer(self.params, optim)
+        self.step_count = 0  # optimizer steps done
+        self.last_grad_norm: float | None = None
+
+    def add(self, *grad_lists: Sequence[torch.Tensor | None]) -> None:
+        """Add one micro-batch's gradients (one entry per parameter, None = no contribution) to ``.grad``.
+
+        Several lists (e.g. the head's and the embedding's gradients, which meet in a tied weight) are
+        summed first and then added once, as one autograd backward pass would: the results match it
+        bit for bit. The caller checks the gradients first (finite, right shapes): this only adds.
+        """
+        for grads in grad_lists:
+            if len(grads) != len(self.params):
+                raise ValueError(f"got {len(grads)} gradients for {len(self.params)} parameters")
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                parts = [grads[i] for grads in grad_lists if grads[i] is not None]
+                if not parts:
+                    continue
+                total = parts[0].detach().clone() if len(parts) == 1 else parts[0] + parts[1]
+                for extra in parts[2:]:
+                    total = total + extra
+                if p.grad is None:
+                    p.grad = total
+                else:
+                    p.grad.add_(total)
+
+    def step(self) -> bool:
+        """Clip (per part), set the scheduled lr, step AdamW and zero the grads; False if the step was skipped.
+
+        A non-finite accumulated norm (overflow) skips the update and discards the grads.
+        """
+        with_grad = [p for p in self.params if p.grad is not None]
+        max_norm = self.optim.clip_norm if self.optim.clip_norm > 0 else math.inf
+        norm = float(torch.nn.utils.clip_grad_norm_(with_grad, max_norm)) if with_grad else 0.0
+        self.last_grad_norm = norm
+        stepped = math.isfinite(norm)
+        if stepped:
+            set_lr(self.optimizer, lr_at(self.optim, self.step_count))
+            self.optimizer.step()
+            self.step_count += 1
+        else:
+            logger.warning("skipping optimizer step %d: accumulated grad-norm is %s", self.step_count, norm)
+        self.zero_grad()
+        return stepped
+
+    def zero_grad(self) -> None:
+        """Discard accumulated gradients."""
+        for p in self.params:
+            p.grad = None

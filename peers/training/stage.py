@@ -1,0 +1,193 @@
+"""``StageTrainer``: trains one peer's block range with its own AdamW, one micro-batch at a time.
+
+``forward(micro_id, hidden, position_ids)`` saves the input (and, with ``keep_activations``, the graph);
+``backward(micro_id, grad_output)`` returns the gradient for the previous stage and adds this stage's
+parameter gradients. After ``accumulation`` backward passes the stage clips its own grad-norm
+(clipping is per stage), steps AdamW on the lr schedule and zeroes the grads.
+
+A graph saved before an optimizer step is stale (its weights changed): backward then recomputes the
+forward from the saved input with the current weights. Gradients are checked before they touch the
+accumulators, so a bad micro-batch (``GradientError``) leaves parameters and accumulated grads as they were.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peers.model.blocks import StageBlocks
+
+from .config import OptimConfig
+from .part import PartOptimizer
+from .state import load_stage_state, save_stage_state
+
+logger = logging.getLogger(__name__)
+
+
+class GradientError(ValueError):
+    """A micro-batch's gradient was refused; that micro-batch was dropped and nothing was applied."""
+
+
+@dataclass
+class _Saved:
+    hidden: torch.Tensor  # detached input
+    position_ids: torch.Tensor
+    leaf: torch.Tensor | None = None  # input leaf of the saved graph
+    output: torch.Tensor | None = None  # output with graph, when activations are kept
+    version: int = -1  # weight version the graph was built with
+
+
+def _all_finite(tensors: list[torch.Tensor | None]) -> bool:
+    return all(t is None or bool(torch.isfinite(t).all()) for t in tensors)
+
+
+class StageTrainer:
+    """Training state of a ``StageBlocks`` on one peer: saved micro-batches, grads, AdamW, step count."""
+
+    def __init__(self, blocks: StageBlocks, optim: OptimConfig, accumulation: int, *, keep_activations: bool = True,
+                 max_pending: int = 64) -> None:
+        if accumulation < 1:
+            raise ValueError(f"accumulation must be >= 1, got {accumulation}")
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        self.blocks = blocks.requires_grad_(True).train()
+        self.accumulation = accumulation
+        self.keep_activations = keep_activations
+        self.max_pending = max_pending
+        self.part = PartOptimizer(self.blocks.parameters(), optim)
+        self.version = 0  # bumped whenever the weights change (optimizer step or load)
+        self.micro_count = 0  # backward passes since the last optimizer step
+        self._pending: dict[str, _Saved] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done."""
+        return self.part.step_count
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """Grad-norm of this stage's parameters before clipping, at the last optimizer step."""
+        return self.part.last_grad_norm
+
+    @property
+    def pending(self) -> int:
+        """Micro-batches forwarded here and not yet backwarded or dropped."""
+        return len(self._pending)
+
+    def _check_input(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> None:
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or not hidden.is_floating_point():
+            got = getattr(hidden, "shape", hidden)
+            raise ValueError(f"hidden must be a float tensor [batch, seq, hidden], got {got}")
+        if not isinstance(position_ids, torch.Tensor) or tuple(position_ids.shape) != tuple(hidden.shape[:2]):
+            raise ValueError(f"position_ids must be [batch, seq] = {tuple(hidden.shape[:2])}, "
+                             f"got {getattr(position_ids, 'shape', position_ids)}")
+
+    def _run(self, hidden: torch.Tensor, position_ids: torch.Tensor, *, grad: bool = True
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks on a fresh input leaf; with ``grad`` the output carries the graph."""
+        leaf = hidden.detach().requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            out, _ = self.blocks(leaf, position_ids)
+        return leaf, out
+
+    def forward(self, micro_id: str, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Run the blocks on ``hidden [B, T, H]``; remember the micro-batch for ``backward``; return the output."""
+        self._check_input(hidden, position_ids)
+        with self._lock:
+            if micro_id in self._pending:
+                raise ValueError(f"micro-batch {micro_id!r} is already pending here: use a fresh id per micro-batch")
+            if len(self._pending) >= self.max_pending:
+                raise ValueError(f"{len(self._pending)} micro-batches are pending (max_pending={self.max_pending}): "
+                                 "backward or drop some before sending more")
+            saved = _Saved(hidden.detach(), position_ids.detach())
+            leaf, out = self._run(hidden, position_ids, grad=self.keep_activations)
+            if self.keep_activations:
+                saved.leaf, saved.output, saved.version = leaf, out, self.version
+            self._pending[micro_id] = saved
+            return out.detach()
+
+    def backward(self, micro_id: str, grad_output: torch.Tensor, *, hidden: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Gradient w.r.t. the stage input for ``micro_id``; adds parameter grads and steps when due.
+
+        For a micro-batch not forwarded here, pass ``hidden`` and ``position_ids`` (stateless recompute).
+        Raises ``GradientError`` (nothing applied, micro-batch dropped) for an unknown id or a bad gradient.
+        """
+        with self._lock:
+            saved = self._pending.pop(micro_id, None)
+            if saved is None:
+                if hidden is None or position_ids is None:
+                    raise GradientError(f"micro-batch {micro_id!r} is not pending here (never forwarded, or dropped): "
+                                        "forward it again, or pass hidden= and position_ids= to recompute it")
+                self._check_input(hidden, position_ids)
+                saved = _Saved(hidden.detach(), position_ids.detach())
+            self._check_grad(micro_id, grad_output, saved.hidden)
+            grad_output = grad_output.to(saved.hidden.device)
+            if saved.output is not None and saved.version == self.version:
+                leaf, out = saved.leaf, saved.output
+            else:
+                leaf, out = self._run(saved.hidden, saved.position_ids)
+            params = self.part.params
+            grads = torch.autograd.grad(out, [leaf, *params], grad_output, allow_unused=True)
+            if not _all_finite(list(grads)):
+                raise GradientError(f"micro-batch {micro_id!r} produced non-finite gradients; it was dropped and "
+                                    "nothing was applied (check the loss scale and the incoming gradient)")
+            self.part.add(grads[1:])
+            self.micro_count += 1
+            if self.micro_count >= self.accumulation:
+                self._optimizer_step()
+            return grads[0]
+
+    def _check_grad(self, micro_id: str, grad: torch.Tensor, hidden: torch.Tensor) -> None:
+        if not isinstance(grad, torch.Tensor):
+            raise GradientError(f"gradient for {micro_id!r} must be a tensor, got {type(grad).__name__}")
+        if grad.shape != hidden.shape or grad.dtype != hidden.dtype:
+            raise GradientError(f"gradient for {micro_id!r} has shape {tuple(grad.shape)} and dtype {grad.dtype}; "
+                                f"this stage's output is {tuple(hidden.shape)} {hidden.dtype}")
+        if not bool(torch.isfinite(grad).all()):
+            raise GradientError(f"gradient for {micro_id!r} contains NaN or inf; the micro-batch was dropped")
+
+    def _optimizer_step(self) -> None:
+        stepped = self.part.step()
+        self.micro_count = 0
+        if stepped:
+            self.version += 1
+            logger.debug("blocks [%d, %d): step %d, grad-norm %.4g", self.blocks.start, self.blocks.end,
+                         self.step, self.last_grad_norm)
+
+    def drop(self, micro_id: str) -> bool:
+        """Forget a pending micro-batch; True if it was pending."""
+        with self._lock:
+            return self._pending.pop(micro_id, None) is not None
+
+    def reset_accumulation(self) -> None:
+        """Discard partial grads and pending micro-batches (e.g. the trainer left): no half-applied update."""
+        with self._lock:
+            self._pending.clear()
+            self.part.zero_grad()
+            self.micro_count = 0
+
+    def save(self, directory: str | Path) -> Path:
+        """Write weights + AdamW state as of the last optimizer step (partial grads are not saved)."""
+        with self._lock:
+            meta = {"kind": "stage", "start": self.blocks.start, "end": self.blocks.end}
+            return save_stage_state(directory, self.blocks, self.part.optimizer, self.step,
+                                    {**meta, "optim": self.part.optim.to_dict()})
+
+    def load(self, directory: str | Path) -> dict[str, Any]:
+        """Restore weights, AdamW state and step from ``save``; drops pending micro-batches and partial grads."""
+        with self._lock:
+            info = load_stage_state(directory, self.blocks, self.part.optimizer,
+                                    expect={"kind": "stage", "start": self.blocks.start, "end": self.blocks.end})
+            self._pending.clear()
+            self.part.zero_grad()
+            self.part.step_count = int(info["step"])
+            self.micro_count = 0
+            self.version += 1
+            return info
