@@ -14,9 +14,12 @@ data-flow order:
   from ``make_proof`` bound to a context and checked against replay). Re-exports the wire formats.
 - ``records.py``: ``PrivateRecordValidator``, a hivemind record validator that signs, checks and encrypts records of
   a private swarm; members store under ``member_subkey(own public key)``.
+- ``admission.py``: ``Admission`` (public swarm: everyone) and ``MemberAdmission`` (private swarm): the one object
+  a caller asks for a proof and a handler asks to ``admit`` and ``recheck`` a caller, so handlers never branch.
 - ``channel.py``: ``ClientHandshake`` / ``accept_handshake`` (X25519 + HKDF, peer authenticated by its identity)
   giving a ``SecureChannel`` that seals and opens serialized tensors with AES-256-GCM, in order, once each.
 - ``_files.py``: private: atomic 0600 writes and refusal of files others may read.
 
-Without a swarm owner key a swarm is public: anyone who knows a bootstrap address can join and read activations.
+Without a swarm owner key a swarm is public: anyone who knows a bootstrap address can join and serve blocks
+(tensors on the wire stay encrypted end to end either way).
 """
