@@ -71,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="seconds an idle or disconnected inference session keeps its cache")
     peer.add_argument("--allow_plaintext", action="store_true",
                       help="also serve inference streams that skip encryption (for benchmarks and debugging)")
+    peer.add_argument("--no_train", action="store_true", help="refuse training runs (serve inference only)")
+    peer.add_argument("--checkpoint_dir", type=Path, default=None,
+                      help="training: save our blocks' weights + AdamW state here, and resume from them")
     peer.set_defaults(func=_cmd_peer)
 
     status = sub.add_parser("status", help="who is online, which blocks they serve, what is missing")
@@ -167,7 +170,7 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         max_batch_tokens=args.max_batch_tokens, max_request_bytes=args.max_request_bytes,
         request_timeout=args.request_timeout, update_period=args.update_period, throughput=args.throughput,
         cache_dir=args.cache_dir, cache_tokens=args.cache_tokens, session_timeout=args.session_timeout,
-        require_encryption=not args.allow_plaintext,
+        require_encryption=not args.allow_plaintext, train=not args.no_train, checkpoint_dir=args.checkpoint_dir,
     )
     if args.num_threads:
         import torch

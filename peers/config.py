@@ -76,6 +76,8 @@ class StageServerConfig:
     cache_tokens: int = 16384  # inference KV cache budget: batch rows x max_length summed over sessions
     session_timeout: float = 60.0  # seconds an idle or disconnected session keeps its cache
     require_encryption: bool = True  # refuse inference streams that skip the handshake (plaintext tensors)
+    train: bool = True  # take part in training runs (trains the served weights in place)
+    checkpoint_dir: Path | None = None  # training: save/resume weights + AdamW state of our blocks here
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)

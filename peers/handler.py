@@ -14,6 +14,7 @@ from peers.backend import StageBackend
 from peers.inference_rpc import InferenceRPC
 from peers.protocol import InfoRequest, RequestError, StageInfo, StageService
 from peers.sessions import SessionRegistry
+from peers.training_rpc import TrainingRPC
 from privacy.admission import Admission, caller_key, proof_context
 from privacy.identity import Identity
 
@@ -26,13 +27,15 @@ class StageHandler(StageService):
     def __init__(
         self, backend: StageBackend, info: StageInfo, sessions: SessionRegistry, *, request_timeout: float,
         identity: Identity, require_encryption: bool = True, admission: Admission | None = None,
+        training: TrainingRPC | None = None,
     ) -> None:
         self.backend, self.info, self.sessions, self.request_timeout = backend, info, sessions, request_timeout
         self.identity, self.admission = identity, admission or Admission()
         self.inference = InferenceRPC(backend, info, sessions, request_timeout=request_timeout,
                                       check_hidden=self._check_hidden, check_blocks=self._check_blocks,
                                       identity=identity, require_encryption=require_encryption,
-                                      admission=self.admission)
+                                      admission=self.admission, training=training)
+        self.training = training
 
     async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertInfo:
         try:
@@ -45,6 +48,7 @@ class StageHandler(StageService):
         info = dataclasses.replace(
             self.info, cache_tokens_free=self.sessions.tokens_free, sessions=len(self.sessions.sessions),
             inference_steps=self.backend.inference_steps, inference_batches=self.backend.inference_batches,
+            train_steps=self.training.step if self.training is not None else 0,
         )
         return runtime_pb2.ExpertInfo(serialized_info=info.to_bytes())
 

@@ -30,6 +30,9 @@ from peers.protocol import (
     InferenceStep,
     RequestError,
     StageInfo,
+    TrainBackward,
+    TrainForward,
+    TrainOpen,
     read_tensor_messages,
     sealer,
     tensor_messages,
@@ -37,6 +40,7 @@ from peers.protocol import (
     unsealer,
 )
 from peers.sessions import Session, SessionRegistry
+from peers.training_rpc import TrainingRPC
 from privacy.admission import Admission, caller_key, proof_context
 from privacy.channel import SecureChannel, accept_handshake
 from privacy.identity import Identity
@@ -49,11 +53,13 @@ class InferenceRPC:
 
     def __init__(self, backend: StageBackend, info: StageInfo, sessions: SessionRegistry, *,
                  request_timeout: float, check_hidden, check_blocks, identity: Identity,
-                 require_encryption: bool = True, admission: Admission | None = None) -> None:
+                 require_encryption: bool = True, admission: Admission | None = None,
+                 training: TrainingRPC | None = None) -> None:
         self.backend, self.info, self.sessions = backend, info, sessions
         self.request_timeout, self.check_hidden, self.check_blocks = request_timeout, check_hidden, check_blocks
         self.identity, self.require_encryption = identity, require_encryption
         self.admission = admission or Admission()
+        self.training = training
 
     async def serve(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -87,6 +93,11 @@ class InferenceRPC:
                 elif isinstance(request, ForwardRequest):
                     for response in await self._forward(request, requests, message, stream):
                         yield response
+                elif isinstance(request, TrainOpen):
+                    yield self._train_open(request, stream)
+                elif isinstance(request, (TrainForward, TrainBackward)):
+                    for response in await self._train_call(request, requests, message, stream):
+                        yield response
                 elif isinstance(request, InferenceOpen):
                     yield self._open(request, owner, owned)
                 elif isinstance(request, InferenceClose):
@@ -97,6 +108,8 @@ class InferenceRPC:
         finally:
             for session_id in owned:
                 self.sessions.detach(session_id)
+            if self.training is not None:
+                self.training.stream_closed(stream)
 
     def _refusal(self, stream: _Stream) -> str:
         """Why this stream may not make requests (never admitted, or its certificate expired or was revoked)."""
@@ -148,6 +161,41 @@ class InferenceRPC:
             return [reply(error=error)]
         return list(tensor_messages(output, InferenceReply().to_bytes(), runtime_pb2.ExpertResponse,
                                     seal=stream.seal))
+
+    def _train_open(self, request: TrainOpen, stream: _Stream) -> runtime_pb2.ExpertResponse:
+        if self.training is None:
+            return reply(error="this peer does not train (started without training support)")
+        try:
+            step = self.training.open(request, stream)
+        except (RequestError, ValueError) as e:
+            logger.info("train_open(run=%r) refused: %s", request.run_id, e)
+            return reply(error=str(e))
+        return runtime_pb2.ExpertResponse(metadata=InferenceReply(step=step).to_bytes())
+
+    async def _train_call(self, request: TrainForward | TrainBackward, requests: AsyncIterator,
+                          message: runtime_pb2.ExpertRequest, stream: _Stream) -> list[runtime_pb2.ExpertResponse]:
+        """A training forward or backward: one sealed tensor in, one out; a refusal applies nothing."""
+        try:
+            tensor = await self._read_tensor(requests, message, stream)
+            if self.training is None:
+                raise RequestError("this peer does not train")
+            if isinstance(request, TrainForward):
+                self.check_hidden(tensor)
+                output = await self.training.forward(request, tensor, stream)
+            else:
+                if request.recompute and tensor.ndim == 4:
+                    self.check_hidden(tensor.flatten(0, 1), max_rows=2 * self.info.max_batch_size)
+                else:
+                    self.check_hidden(tensor)
+                output = await self.training.backward(request, tensor, stream)
+        except (RequestError, ValueError) as e:  # GradientError is a ValueError
+            if isinstance(request, TrainBackward) and self.training is not None:
+                self.training.drop(request, stream)  # a refused backward drops its micro-batch, applies nothing
+            logger.info("%s(run=%r, micro=%r) refused: %s", type(request).__name__, request.run_id,
+                        request.micro_id, e)
+            return [reply(error=str(e))]
+        metadata = InferenceReply(step=self.training.step).to_bytes()
+        return list(tensor_messages(output, metadata, runtime_pb2.ExpertResponse, seal=stream.seal))
 
     async def _read_tensor(self, requests: AsyncIterator, message: runtime_pb2.ExpertRequest,
                            stream: _Stream) -> torch.Tensor:

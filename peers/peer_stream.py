@@ -26,6 +26,7 @@ from peers.protocol import (
     InferenceOpen,
     InferenceReply,
     InferenceStep,
+    Message,
     RequestError,
     StageService,
     pack_inference,
@@ -107,6 +108,14 @@ class PeerStream:
             raise RequestError(f"peer ...{self.peer_id[-6:]} refused blocks {start}:{end}: "
                                f"{reply.error or 'no output in the reply'}")
         return output
+
+    async def call(self, message: Message, tensor: torch.Tensor | None, timeout: float
+                   ) -> tuple[InferenceReply, torch.Tensor | None]:
+        """Send one request (e.g. a training call) and return its reply; ``RequestError`` if it was refused."""
+        reply, output = await self._request(pack_inference(message), tensor, timeout)
+        if reply.error:
+            raise RequestError(f"peer ...{self.peer_id[-6:]} refused {type(message).__name__}: {reply.error}")
+        return reply, output
 
     async def open(self, request: InferenceOpen, timeout: float) -> InferenceReply:
         reply, _ = await self._request(pack_inference(request), None, timeout)

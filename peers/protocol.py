@@ -126,6 +126,38 @@ class InferenceHello(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class TrainOpen(Message):
+    """Join training run ``run_id`` with this peer's blocks ``[start, end)`` (its whole span): the run's
+    optimizer config (``peers.training.OptimConfig.to_dict()``) and micro-batches per optimizer step."""
+
+    run_id: str
+    start: int
+    end: int
+    optim: dict
+    accumulation: int
+    keep_activations: bool = True  # keep each micro-batch's graph until its backward (else recompute)
+    checkpoint_every: int = 0  # save weights + AdamW state every N optimizer steps (0: never)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainForward(Message):
+    """A training forward of micro-batch ``micro_id`` (the message's tensor: hidden states)."""
+
+    run_id: str
+    micro_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainBackward(Message):
+    """The backward of ``micro_id``: the tensor is the grad of its outputs, or with ``recompute`` the
+    micro-batch's input and that grad stacked on a new first dim (stateless: the peer kept nothing)."""
+
+    run_id: str
+    micro_id: str
+    recompute: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class InferenceReply(Message):
     """Reply to an open or a step. ``error`` refuses the whole message; ``errors[i]`` refuses part i only
     (its session stays as it was). The tensor holds the outputs of the accepted parts, in order."""
@@ -134,11 +166,12 @@ class InferenceReply(Message):
     errors: list = dataclasses.field(default_factory=list)  # of str, one per part of a step
     length: int = 0  # tokens the session holds after an open
     handshake: bytes = b""  # the peer's handshake reply to a hello
+    step: int = 0  # training: optimizer steps this stage has done
 
 
 INFERENCE_KINDS: dict[str, type[Message]] = {
     "hello": InferenceHello, "open": InferenceOpen, "step": InferenceStep, "close": InferenceClose,
-    "forward": ForwardRequest,
+    "forward": ForwardRequest, "train_open": TrainOpen, "train_forward": TrainForward, "train_backward": TrainBackward,
 }
 
 
@@ -181,6 +214,7 @@ class StageInfo(Message):
     sessions: int = 0  # open inference sessions
     inference_steps: int = 0  # session steps served so far
     inference_batches: int = 0  # batched forwards that ran them (fewer than steps when batching works)
+    train_steps: int = 0  # optimizer steps of the training run this peer takes part in
 
 
 class RequestError(ValueError):

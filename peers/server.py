@@ -17,6 +17,7 @@ from peers.handler import StageHandler
 from peers.model import ModelConfig, load_blocks
 from peers.protocol import StageInfo
 from peers.sessions import SessionRegistry
+from peers.training_rpc import TrainingRPC
 from swarm.announcer import Announcer
 from swarm.block_selection import choose_blocks
 from swarm.discovery import fetch_records, start_node, visible_maddrs
@@ -81,9 +82,12 @@ class StageServer:
             await backend.launch()
             reaper = asyncio.gather(_reap_forever(sessions), keep_revocations(
                 self.node, self.admission, period=self.config.update_period))
-            handler = StageHandler(backend, self._make_info(peer_id, start, end, throughput), sessions,
-                                   request_timeout=self.config.request_timeout, identity=self.identity,
-                                   require_encryption=self.config.require_encryption, admission=self.admission)
+            info = self._make_info(peer_id, start, end, throughput)
+            training = TrainingRPC(blocks, info, checkpoint_dir=self.config.checkpoint_dir) if self.config.train \
+                else None
+            handler = StageHandler(backend, info, sessions, request_timeout=self.config.request_timeout,
+                                   identity=self.identity, require_encryption=self.config.require_encryption,
+                                   admission=self.admission, training=training)
             await handler.add_p2p_handlers(self.node.p2p)
             addresses = tuple(self.config.swarm.announce_maddrs) or tuple(await visible_maddrs(self.node))
             announcer.update(state=PeerState.ONLINE, throughput=throughput, addresses=addresses)
@@ -104,6 +108,8 @@ class StageServer:
                 reaper.cancel()
             if backend is not None:
                 await backend.shutdown()
+            if handler is not None and handler.training is not None:
+                handler.training.shutdown()
             await _quietly(self.node.shutdown(), "stop the DHT node")
             logger.info("Stopped")
 

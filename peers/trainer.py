@@ -1,0 +1,142 @@
+"""``SwarmTrainer``: train a model whose blocks live on the swarm, by remote autodiff through its stages.
+
+The trainer owns the embedding and the head (and their AdamW); each stage peer owns its blocks and
+theirs (``peers.training_rpc``). A micro-batch goes: embedding here -> ``train_forward`` through each stage
+-> head and loss here -> ``train_backward`` through the stages in reverse -> embedding grads here. Every
+tensor travels on the client's encrypted stream to each peer. Up to ``in_flight`` micro-batches are under
+way at once, so the stages work concurrently (a stage runs its stream's requests in order).
+
+Weight staleness is zero: a step's micro-batches all see the same weights, because every stage applies its
+update only after the step's last backward, and the trainer starts the next step's micro-batches only once
+every backward of this one has returned. The price is a pipeline fill and drain per step (with S stages
+and M micro-batches the bubble is about (S-1)/(M+S-1)); more micro-batches per step make it smaller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from peers.client import SwarmClient
+from peers.model.local import default_position_ids
+from peers.protocol import TrainBackward, TrainForward, TrainOpen
+from peers.training import OptimConfig, PartOptimizer, loss_of, unique_parameters
+from swarm.records import PeerRecord
+from swarm.stages import choose_stages
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean loss over the step's micro-batches
+    tokens: int  # tokens the step trained on
+    stage_steps: list[int]  # each stage's optimizer steps after it
+
+
+class SwarmTrainer:
+    """One training run over the swarm that ``client`` is connected to."""
+
+    def __init__(self, client: SwarmClient, optim: OptimConfig, accumulation: int, *, in_flight: int = 4,
+                 run_id: str | None = None, keep_activations: bool = True, recompute: bool = False,
+                 checkpoint_every: int = 0) -> None:
+        if accumulation < 1 or in_flight < 1:
+            raise ValueError("accumulation and in_flight must be >= 1")
+        if client.local_blocks is not None:
+            raise ValueError("training with local_blocks is not supported yet; use local_blocks=0")
+        self.client, self.optim, self.accumulation, self.in_flight = client, optim, accumulation, in_flight
+        self.run_id = run_id or secrets.token_hex(8)
+        self.keep_activations = keep_activations and not recompute
+        self.recompute = recompute  # stateless stages: the input travels again with each backward
+        self.checkpoint_every = checkpoint_every
+        for module in (client.embedding, client.head):
+            module.requires_grad_(True).train()
+        self.part = PartOptimizer(unique_parameters(client.embedding, client.head), optim)
+        self.stages: list[PeerRecord] = []
+        self.steps_done = 0
+        self.bytes_sent = 0  # hidden-state bytes sent to stages (before encryption overhead)
+
+    # ---- synchronous API -------------------------------------------------------------------------
+    def start(self) -> list[PeerRecord]:
+        """Choose the pipeline (peers whose spans tile the blocks) and open the run on every stage."""
+        return self.client.loop.run(self.start_async())
+
+    def train_step(self, micro_batches: Sequence[torch.Tensor]) -> StepResult:
+        """One optimizer step over ``accumulation`` micro-batches of token ids ``[b, T + 1]``."""
+        return self.client.loop.run(self.train_step_async(micro_batches))
+
+    def evaluate(self, input_ids: torch.Tensor) -> float:
+        """Mean next-token loss on ``input_ids`` through the swarm (plain forward, no training state)."""
+        with torch.no_grad():
+            return loss_of(self.client.forward(input_ids), input_ids).item()
+
+    # ---- async -------------------------------------------------------------------------------------
+    async def start_async(self) -> list[PeerRecord]:
+        records = await self.client._fetch()
+        self.stages = choose_stages(records, self.client.model_config.num_layers)
+        request_steps = []
+        for stage in self.stages:
+            stream = await self.client.peer_stream(stage.peer_id)
+            reply, _ = await stream.call(TrainOpen(
+                run_id=self.run_id, start=stage.start, end=stage.end, optim=self.optim.to_dict(),
+                accumulation=self.accumulation, keep_activations=self.keep_activations,
+                checkpoint_every=self.checkpoint_every), None, self.client.config.request_timeout)
+            request_steps.append(reply.step)
+        logger.info("Run %s: stages %s (their steps: %s)", self.run_id,
+                    " -> ".join(f"{s.start}:{s.end}@...{s.peer_id[-6:]}" for s in self.stages), request_steps)
+        return self.stages
+
+    async def train_step_async(self, micro_batches: Sequence[torch.Tensor]) -> StepResult:
+        if not self.stages:
+            await self.start_async()
+        if len(micro_batches) != self.accumulation:
+            raise ValueError(f"a step takes {self.accumulation} micro-batches (accumulation), got {len(micro_batches)}")
+        gate = asyncio.Semaphore(self.in_flight)
+        stage_steps: list[int] = [0] * len(self.stages)
+
+        async def one(index: int, input_ids: torch.Tensor) -> float:
+            async with gate:
+                return await self._micro_batch(input_ids, f"{self.steps_done}.{index}", stage_steps)
+
+        tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(micro_batches)]
+        try:
+            losses = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            self.part.zero_grad()  # the trainer's share of a failed step is discarded too
+            raise
+        self.part.step()
+        self.steps_done += 1
+        return StepResult(sum(losses), sum(int(m[:, 1:].numel()) for m in micro_batches), stage_steps)
+
+    async def _micro_batch(self, input_ids: torch.Tensor, micro_id: str, stage_steps: list[int]) -> float:
+        client, timeout = self.client, self.client.config.request_timeout
+        input_ids = input_ids.to(client.device)
+        positions = default_position_ids(input_ids)
+        embedded = client.embedding.embed(input_ids, positions)  # with grad: the embedding trains here
+        hidden, inputs = embedded.detach(), []
+        for stage in self.stages:
+            stream = await client.peer_stream(stage.peer_id)
+            inputs.append(hidden)
+            self.bytes_sent += hidden.numel() * hidden.element_size()
+            _, hidden = await stream.call(TrainForward(run_id=self.run_id, micro_id=micro_id), hidden, timeout)
+        last = hidden.to(client.device, client.dtype).requires_grad_(True)
+        loss = loss_of(client.head.head(last), input_ids) / self.accumulation
+        grad, *head_grads = torch.autograd.grad(loss, [last, *self.part.params], allow_unused=True)
+        for index in reversed(range(len(self.stages))):
+            stream = await client.peer_stream(self.stages[index].peer_id)
+            payload = torch.stack([inputs[index], grad]) if self.recompute else grad
+            self.bytes_sent += payload.numel() * payload.element_size()
+            message = TrainBackward(run_id=self.run_id, micro_id=micro_id, recompute=self.recompute)
+            reply, grad = await stream.call(message, payload, timeout)
+            stage_steps[index] = max(stage_steps[index], reply.step)
+        embedding_grads = torch.autograd.grad(embedded, self.part.params, grad.to(client.device, client.dtype),
+                                              allow_unused=True)
+        self.part.add(head_grads, embedding_grads)
+        return float(loss.detach())

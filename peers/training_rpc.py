@@ -1,0 +1,138 @@
+"""The training side of a peer's stream: open a run, forward and backward micro-batches, step, checkpoint.
+
+A peer trains its whole block span for one run at a time; the stream that opened the run owns it. The
+peer owns its blocks' parameters and AdamW state (``peers.training.StageTrainer``) and steps when it has
+seen the run's ``accumulation`` backward passes. If the owning stream ends mid-step, the partial gradients
+are discarded: no half-applied update. The weights it trains are the ones it serves for inference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from peers.model.blocks import StageBlocks
+from peers.protocol import RequestError, StageInfo, TrainBackward, TrainForward, TrainOpen
+from peers.training import GradientError, OptimConfig, StageTrainer
+
+logger = logging.getLogger(__name__)
+
+MAX_PENDING = 64  # micro-batches forwarded and not yet backwarded, per run
+
+
+class TrainingRPC:
+    """Serves training requests for one peer's blocks (``blocks`` is the backend's ``StageBlocks``)."""
+
+    def __init__(self, blocks: StageBlocks, info: StageInfo, *, checkpoint_dir: Path | None = None) -> None:
+        self.blocks, self.info, self.checkpoint_dir = blocks, info, checkpoint_dir
+        self.trainer: StageTrainer | None = None
+        self.run_id = ""
+        self.owner: object | None = None  # the stream that opened the run
+        self.checkpoint_every = 0
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-train")
+
+    @property
+    def step(self) -> int:
+        return 0 if self.trainer is None else self.trainer.step
+
+    def open(self, request: TrainOpen, stream: object) -> int:
+        """Join ``request.run_id`` (resuming from this peer's checkpoint if it has one); returns the step."""
+        if (request.start, request.end) != (self.info.start, self.info.end):
+            raise RequestError(f"training uses a peer's whole span: this peer serves {self.info.start}:"
+                               f"{self.info.end}, not {request.start}:{request.end}")
+        if self.owner is not None and self.owner is not stream and self.run_id != request.run_id:
+            raise RequestError(f"this peer is training run {self.run_id!r} for another trainer; pick another peer")
+        if not 1 <= request.accumulation <= 1 << 16 or request.checkpoint_every < 0:
+            raise RequestError("accumulation must be in 1..65536 and checkpoint_every >= 0")
+        try:
+            optim = OptimConfig.from_dict(request.optim)
+        except (TypeError, ValueError) as e:
+            raise RequestError(f"bad optimizer config: {e}") from None
+        if self.trainer is None or self.run_id != request.run_id:
+            self.trainer = StageTrainer(self.blocks, optim, request.accumulation,
+                                        keep_activations=request.keep_activations, max_pending=MAX_PENDING)
+            self.run_id = request.run_id
+            path = self._checkpoint_path()
+            if path is not None and (path / "state.json").is_file():
+                self.trainer.load(path)
+                logger.info("Run %r: resumed blocks %d:%d from %s at step %d", self.run_id, self.info.start,
+                            self.info.end, path, self.trainer.step)
+        else:
+            self.trainer.reset_accumulation()  # a re-opened run starts its step afresh
+        self.owner, self.checkpoint_every = stream, request.checkpoint_every
+        logger.info("Run %r: training blocks %d:%d (accumulation %d, step %d)", self.run_id, self.info.start,
+                    self.info.end, request.accumulation, self.trainer.step)
+        return self.trainer.step
+
+    async def forward(self, request: TrainForward, hidden: torch.Tensor, stream: object) -> torch.Tensor:
+        trainer = self._trainer(request.run_id, stream)
+        positions = _positions(hidden)
+        return await self._compute(trainer.forward, request.micro_id, hidden, positions)
+
+    async def backward(self, request: TrainBackward, tensor: torch.Tensor, stream: object) -> torch.Tensor:
+        """The grad of the micro-batch's input; a refused grad drops the micro-batch and applies nothing."""
+        trainer = self._trainer(request.run_id, stream)
+        if request.recompute:
+            if tensor.ndim != 4 or tensor.shape[0] != 2:
+                raise GradientError("a recompute backward carries [2, batch, seq, hidden]: the input, then the grad")
+            hidden, grad = tensor[0], tensor[1]
+            call = (trainer.backward, request.micro_id, grad)
+            kwargs = {"hidden": hidden, "position_ids": _positions(hidden)}
+        else:
+            call, kwargs = (trainer.backward, request.micro_id, tensor), {}
+        before = trainer.step
+        try:
+            grad_input = await self._compute(*call, **kwargs)
+        except GradientError as e:
+            logger.info("Run %r: dropped micro-batch %r: %s", self.run_id, request.micro_id, e)
+            raise
+        if trainer.step != before:
+            self._after_step(trainer)
+        return grad_input
+
+    def drop(self, request: TrainBackward, stream: object) -> None:
+        """Forget a micro-batch whose backward was refused (its gradients are never applied)."""
+        if self.trainer is not None and request.run_id == self.run_id and self.owner is stream:
+            self.trainer.drop(request.micro_id)
+
+    def stream_closed(self, stream: object) -> None:
+        """The owning trainer left: discard its partial step (applied steps and checkpoints stay)."""
+        if self.owner is stream and self.trainer is not None:
+            if self.trainer.micro_count or self.trainer.pending:
+                logger.info("Run %r: trainer left mid-step; discarding %d partial micro-batch(es)", self.run_id,
+                            self.trainer.micro_count)
+            self.trainer.reset_accumulation()
+            self.owner = None
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    # ---- internals --------------------------------------------------------------------------------
+    def _trainer(self, run_id: str, stream: object) -> StageTrainer:
+        if self.trainer is None or run_id != self.run_id or self.owner is not stream:
+            raise RequestError(f"run {run_id!r} is not open on this stream: send train_open first")
+        return self.trainer
+
+    async def _compute(self, fn, *args, **kwargs) -> torch.Tensor:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+
+    def _checkpoint_path(self) -> Path | None:
+        if self.checkpoint_dir is None:
+            return None
+        safe_run = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.run_id)[:100] or "run"
+        return Path(self.checkpoint_dir) / safe_run / f"blocks-{self.info.start}-{self.info.end}"
+
+    def _after_step(self, trainer: StageTrainer) -> None:
+        path = self._checkpoint_path()
+        if path is not None and self.checkpoint_every and trainer.step % self.checkpoint_every == 0:
+            trainer.save(path)
+            logger.info("Run %r: step %d checkpointed to %s", self.run_id, trainer.step, path)
+
+
+def _positions(hidden: torch.Tensor) -> torch.Tensor:
+    return torch.arange(hidden.shape[1], device=hidden.device).expand(hidden.shape[0], hidden.shape[1])

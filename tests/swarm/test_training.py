@@ -1,0 +1,162 @@
+"""Training through the swarm on real processes: equivalence with one process, bad gradients, a vanished trainer."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from peers.client import SwarmClient
+from peers.config import ClientConfig, SwarmConfig
+from peers.launch import LocalSwarm
+from peers.protocol import RequestError, TrainBackward, TrainForward, TrainOpen
+from peers.trainer import SwarmTrainer
+from peers.training import LocalTrainer, OptimConfig, TokenBatches, encode_bytes
+
+OPTIM = OptimConfig(lr=3e-3, warmup_steps=1, schedule="cosine", total_steps=6, clip_norm=1.0, weight_decay=0.01)
+TEXT = "A swarm of ordinary computers trains one model together, block by block. " * 40
+
+
+def _start(workdir, llama_dir) -> LocalSwarm:
+    swarm = LocalSwarm(workdir, update_period=1.0)
+    swarm.start_dht()
+    procs = [swarm.start_peer(llama_dir, block_indices=span, wait=False, name=f"stage{i}",
+                              extra=["--checkpoint_dir", str(workdir / f"ckpt{i}")])
+             for i, span in enumerate(("0:4", "4:8"))]
+    for proc in procs:
+        swarm.wait_ready(proc)
+    return swarm
+
+
+@pytest.fixture(scope="module")
+def train_swarm(llama_dir, tmp_path_factory) -> Iterator[LocalSwarm]:
+    """Two stage peers shared by the tests that do not compare weights with a reference."""
+    with _start(tmp_path_factory.mktemp("train_swarm"), llama_dir) as swarm:
+        yield swarm
+
+
+@pytest.fixture
+def fresh_train_swarm(llama_dir, tmp_path) -> Iterator[LocalSwarm]:
+    """Two stage peers with the model's initial weights."""
+    with _start(tmp_path, llama_dir) as swarm:
+        yield swarm
+
+
+def _client(swarm: LocalSwarm, model_dir) -> SwarmClient:
+    client = SwarmClient(model_dir, config=ClientConfig(swarm=SwarmConfig(initial_peers=tuple(swarm.initial_peers)),
+                                                        request_timeout=20))
+    client.wait_for_records(2)
+    return client
+
+
+def _batches(seed: int) -> TokenBatches:
+    return TokenBatches(encode_bytes(TEXT), seq_len=16, micro_batch=2, seed=seed)
+
+
+@pytest.mark.parametrize("in_flight, recompute", [(1, False), (3, True)])
+def test_swarm_training_equals_one_process(fresh_train_swarm, llama_dir, in_flight, recompute):
+    """Same parameters and losses as the same steps in one process (fp32), through encrypted streams."""
+    steps, accumulation, train_swarm = 3, 3, fresh_train_swarm
+    reference = LocalTrainer(llama_dir, OPTIM, accumulation, stages=[(0, 4), (4, 8)])
+    with _client(train_swarm, llama_dir) as client:
+        trainer = SwarmTrainer(client, OPTIM, accumulation, in_flight=in_flight, recompute=recompute,
+                               checkpoint_every=1, run_id=f"equivalence-{in_flight}-{recompute}")
+        trainer.start()
+        data_swarm, data_local = _batches(1), _batches(1)
+        for _ in range(steps):
+            swarm_loss = trainer.train_step([data_swarm.next_micro() for _ in range(accumulation)]).loss
+            local_loss = reference.train_step([data_local.next_micro() for _ in range(accumulation)])
+            assert swarm_loss == pytest.approx(local_loss, abs=1e-6)
+        ids = data_local.next_micro()
+        expected = reference.logits(ids).detach()
+        served = client.forward(ids)  # the peers serve the weights they trained
+        tolerance = 0.0 if in_flight == 1 else 1e-5  # in-flight micro-batches may sum their grads in another order
+        assert (served - expected).abs().max() <= tolerance + 1e-6
+        for i, (start, end) in enumerate([(0, 4), (4, 8)]):
+            saved = load_file(str(train_swarm.workdir / f"ckpt{i}" / trainer.run_id / f"blocks-{start}-{end}" /
+                                  "weights.safetensors"))
+            local = dict(reference.blocks[i].named_parameters())
+            assert set(saved) == set(local)
+            assert max((saved[k] - local[k].detach()).abs().max().item() for k in saved) <= tolerance + 1e-6
+        for name, param in client.embedding.named_parameters():
+            assert (param - dict(reference.embedding.named_parameters())[name]).abs().max() <= tolerance + 1e-6
+
+
+def _stage_stream(client: SwarmClient, trainer: SwarmTrainer, index: int):
+    return client.loop.run(client.peer_stream(trainer.stages[index].peer_id))
+
+
+def test_bad_gradients_are_refused_and_nothing_is_applied(train_swarm, llama_dir):
+    with _client(train_swarm, llama_dir) as client:
+        trainer = SwarmTrainer(client, OPTIM, 1, run_id="bad-grads")
+        trainer.start()
+        stream = _stage_stream(client, trainer, 1)
+        hidden = torch.randn(2, 6, 64)
+
+        async def forward(micro_id: str) -> torch.Tensor:
+            _, out = await stream.call(TrainForward(run_id="bad-grads", micro_id=micro_id), hidden, 10)
+            return out
+
+        async def backward(micro_id: str, grad: torch.Tensor):
+            return await stream.call(TrainBackward(run_id="bad-grads", micro_id=micro_id), grad, 10)
+
+        before = client.loop.run(forward("probe"))
+        client.loop.run(backward("probe", torch.zeros_like(before)))  # accumulation 1: zero grad, AdamW decay only
+        for micro_id, grad, message in (
+            ("shape", torch.zeros(2, 5, 64), "has shape"),
+            ("nan", torch.full((2, 6, 64), float("nan")), "NaN or infinite"),
+            ("inf", torch.full((2, 6, 64), float("inf")), "NaN or infinite"),
+        ):
+            client.loop.run(forward(micro_id))
+            with pytest.raises(RequestError, match=message):
+                client.loop.run(backward(micro_id, grad))
+            with pytest.raises(RequestError, match="not pending"):  # the refused micro-batch was dropped
+                client.loop.run(backward(micro_id, torch.zeros(2, 6, 64)))
+        with pytest.raises(RequestError, match="not pending"):
+            client.loop.run(backward("never-forwarded", torch.zeros(2, 6, 64)))
+        after = client.loop.run(forward("after"))
+        reference = client.loop.run(forward("again"))
+        assert torch.equal(after, reference)  # refusals stepped nothing
+        reply, _ = client.loop.run(backward("after", torch.ones_like(after) * 1e-3))
+        assert reply.step >= 1  # a good micro-batch still trains
+        with pytest.raises(RequestError, match="not open on this stream"):
+            client.loop.run(stream.call(TrainForward(run_id="other-run", micro_id="x"), hidden, 10))
+
+
+def test_a_vanished_trainer_leaves_no_half_applied_update(train_swarm, llama_dir):
+    ids = torch.arange(12)[None]
+    with _client(train_swarm, llama_dir) as observer:
+        before = observer.forward(ids)
+        with _client(train_swarm, llama_dir) as client:
+            trainer = SwarmTrainer(client, OPTIM, 4, run_id="vanishing")
+            trainer.start()
+            data = _batches(2)
+
+            async def half_a_step():  # 2 of the 4 micro-batches of a step, then the trainer leaves
+                await asyncio.gather(*(trainer._micro_batch(data.next_micro(), f"0.{i}", [0, 0]) for i in range(2)))
+
+            client.loop.run(half_a_step())
+        after = observer.forward(ids)
+        assert torch.equal(before, after)
+        # the run can be taken over by a new trainer, whose full steps do apply
+        with _client(train_swarm, llama_dir) as client:
+            trainer = SwarmTrainer(client, OPTIM, 4, run_id="vanishing")
+            result = trainer.train_step([data.next_micro() for _ in range(4)])
+            assert result.stage_steps == [1, 1]
+        assert not torch.equal(before, observer.forward(ids))
+
+
+def test_train_open_refusals(train_swarm, llama_dir):
+    with _client(train_swarm, llama_dir) as client:
+        peer_id = next(r.peer_id for r in client.records() if r.start == 0)
+        stream = client.loop.run(client.peer_stream(peer_id))
+        good = dict(run_id="x", start=0, end=4, optim=OPTIM.to_dict(), accumulation=2)
+        for change, message in (({"end": 3}, "whole span"), ({"optim": {"lr": "fast"}}, "bad optimizer config"),
+                                ({"accumulation": 0}, "accumulation must be")):
+            with pytest.raises(RequestError, match=message):
+                client.loop.run(stream.call(TrainOpen(**{**good, **change}), None, 10))
+        reply, _ = client.loop.run(stream.call(TrainOpen(**good), None, 10))
+        assert reply.step == 0
