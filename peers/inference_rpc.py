@@ -179,6 +179,7 @@ class InferenceRPC:
             tensor = await self._read_tensor(requests, message, stream)
             if self.training is None:
                 raise RequestError("this peer does not train")
+            started = time.perf_counter()
             if isinstance(request, TrainForward):
                 self.check_hidden(tensor)
                 output = await self.training.forward(request, tensor, stream)
@@ -194,7 +195,8 @@ class InferenceRPC:
             logger.info("%s(run=%r, micro=%r) refused: %s", type(request).__name__, request.run_id,
                         request.micro_id, e)
             return [reply(error=str(e))]
-        metadata = InferenceReply(step=self.training.step).to_bytes()
+        compute_ms = 1e3 * (time.perf_counter() - started)
+        metadata = InferenceReply(step=self.training.step, compute_ms=compute_ms).to_bytes()
         return list(tensor_messages(output, metadata, runtime_pb2.ExpertResponse, seal=stream.seal))
 
     async def _read_tensor(self, requests: AsyncIterator, message: runtime_pb2.ExpertRequest,

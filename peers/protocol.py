@@ -167,6 +167,7 @@ class InferenceReply(Message):
     length: int = 0  # tokens the session holds after an open
     handshake: bytes = b""  # the peer's handshake reply to a hello
     step: int = 0  # training: optimizer steps this stage has done
+    compute_ms: float = 0.0  # training: time this request spent computing on the peer
 
 
 INFERENCE_KINDS: dict[str, type[Message]] = {

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,6 +38,14 @@ class StepResult:
     loss: float  # mean loss over the step's micro-batches
     tokens: int  # tokens the step trained on
     stage_steps: list[int]  # each stage's optimizer steps after it
+    seconds: float  # wall time of the step
+    stage_busy: list[float]  # seconds each stage spent computing for this step
+    stage_peers: list[str]  # peer id of each stage
+
+    @property
+    def utilisation(self) -> list[float]:
+        """Fraction of the step's wall time each stage spent computing."""
+        return [busy / self.seconds if self.seconds > 0 else 0.0 for busy in self.stage_busy]
 
 
 class SwarmTrainer:
@@ -96,12 +105,13 @@ class SwarmTrainer:
             await self.start_async()
         if len(micro_batches) != self.accumulation:
             raise ValueError(f"a step takes {self.accumulation} micro-batches (accumulation), got {len(micro_batches)}")
-        gate = asyncio.Semaphore(self.in_flight)
+        gate, started = asyncio.Semaphore(self.in_flight), time.perf_counter()
         stage_steps: list[int] = [0] * len(self.stages)
+        stage_busy: list[float] = [0.0] * len(self.stages)
 
         async def one(index: int, input_ids: torch.Tensor) -> float:
             async with gate:
-                return await self._micro_batch(input_ids, f"{self.steps_done}.{index}", stage_steps)
+                return await self._micro_batch(input_ids, f"{self.steps_done}.{index}", stage_steps, stage_busy)
 
         tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(micro_batches)]
         try:
@@ -113,9 +123,11 @@ class SwarmTrainer:
             raise
         self.part.step()
         self.steps_done += 1
-        return StepResult(sum(losses), sum(int(m[:, 1:].numel()) for m in micro_batches), stage_steps)
+        return StepResult(sum(losses), sum(int(m[:, 1:].numel()) for m in micro_batches), stage_steps,
+                          time.perf_counter() - started, stage_busy, [s.peer_id for s in self.stages])
 
-    async def _micro_batch(self, input_ids: torch.Tensor, micro_id: str, stage_steps: list[int]) -> float:
+    async def _micro_batch(self, input_ids: torch.Tensor, micro_id: str, stage_steps: list[int],
+                           stage_busy: list[float]) -> float:
         client, timeout = self.client, self.client.config.request_timeout
         input_ids = input_ids.to(client.device)
         positions = default_position_ids(input_ids)
@@ -125,7 +137,8 @@ class SwarmTrainer:
             stream = await client.peer_stream(stage.peer_id)
             inputs.append(hidden)
             self.bytes_sent += hidden.numel() * hidden.element_size()
-            _, hidden = await stream.call(TrainForward(run_id=self.run_id, micro_id=micro_id), hidden, timeout)
+            reply, hidden = await stream.call(TrainForward(run_id=self.run_id, micro_id=micro_id), hidden, timeout)
+            stage_busy[len(inputs) - 1] += reply.compute_ms / 1e3
         last = hidden.to(client.device, client.dtype).requires_grad_(True)
         loss = loss_of(client.head.head(last), input_ids) / self.accumulation
         grad, *head_grads = torch.autograd.grad(loss, [last, *self.part.params], allow_unused=True)
@@ -136,6 +149,7 @@ class SwarmTrainer:
             message = TrainBackward(run_id=self.run_id, micro_id=micro_id, recompute=self.recompute)
             reply, grad = await stream.call(message, payload, timeout)
             stage_steps[index] = max(stage_steps[index], reply.step)
+            stage_busy[index] += reply.compute_ms / 1e3
         embedding_grads = torch.autograd.grad(embedded, self.part.params, grad.to(client.device, client.dtype),
                                               allow_unused=True)
         self.part.add(head_grads, embedding_grads)
