@@ -53,7 +53,7 @@ class SwarmTrainer:
 
     def __init__(self, client: SwarmClient, optim: OptimConfig, accumulation: int, *, in_flight: int = 4,
                  run_id: str | None = None, keep_activations: bool = True, recompute: bool = False,
-                 checkpoint_every: int = 0) -> None:
+                 checkpoint_every: int = 0, average_every: int = 0) -> None:
         if accumulation < 1 or in_flight < 1:
             raise ValueError("accumulation and in_flight must be >= 1")
         if client.local_blocks is not None:
@@ -63,6 +63,7 @@ class SwarmTrainer:
         self.keep_activations = keep_activations and not recompute
         self.recompute = recompute  # stateless stages: the input travels again with each backward
         self.checkpoint_every = checkpoint_every
+        self.average_every = average_every  # replicas of a stage average their parameters every H local steps
         for module in (client.embedding, client.head):
             module.requires_grad_(True).train()
         self.part = PartOptimizer(unique_parameters(client.embedding, client.head), optim)
