@@ -28,6 +28,8 @@ from peers.protocol import (
     InferenceOpen,
     InferenceReply,
     InferenceStep,
+    ParamsFetch,
+    ParamsPush,
     RequestError,
     StageInfo,
     TrainBackward,
@@ -95,8 +97,11 @@ class InferenceRPC:
                         yield response
                 elif isinstance(request, TrainOpen):
                     yield self._train_open(request, stream)
-                elif isinstance(request, (TrainForward, TrainBackward)):
-                    for response in await self._train_call(request, requests, message, stream):
+                elif isinstance(request, (TrainForward, TrainBackward, ParamsPush)):
+                    for response in await self._train_call(request, requests, message, stream, owner):
+                        yield response
+                elif isinstance(request, ParamsFetch):
+                    for response in self._params_fetch(request, stream):
                         yield response
                 elif isinstance(request, InferenceOpen):
                     yield self._open(request, owner, owned)
@@ -172,14 +177,29 @@ class InferenceRPC:
             return reply(error=str(e))
         return runtime_pb2.ExpertResponse(metadata=InferenceReply(step=step).to_bytes())
 
-    async def _train_call(self, request: TrainForward | TrainBackward, requests: AsyncIterator,
-                          message: runtime_pb2.ExpertRequest, stream: _Stream) -> list[runtime_pb2.ExpertResponse]:
-        """A training forward or backward: one sealed tensor in, one out; a refusal applies nothing."""
+    def _params_fetch(self, request: ParamsFetch, stream: _Stream) -> list[runtime_pb2.ExpertResponse]:
+        try:
+            if self.training is None:
+                raise RequestError("this peer does not train")
+            flat = self.training.current_params(request)
+        except RequestError as e:
+            return [reply(error=str(e))]
+        metadata = InferenceReply(step=self.training.step).to_bytes()
+        return list(tensor_messages(flat, metadata, runtime_pb2.ExpertResponse, seal=stream.seal))
+
+    async def _train_call(self, request: TrainForward | TrainBackward | ParamsPush, requests: AsyncIterator,
+                          message: runtime_pb2.ExpertRequest, stream: _Stream,
+                          sender: str) -> list[runtime_pb2.ExpertResponse]:
+        """A training forward or backward (or a replica's parameters): one sealed tensor in, one out (or an
+        empty reply); a refusal applies nothing."""
         try:
             tensor = await self._read_tensor(requests, message, stream)
             if self.training is None:
                 raise RequestError("this peer does not train")
             started = time.perf_counter()
+            if isinstance(request, ParamsPush):
+                self.training.receive_params(request, tensor, sender)
+                return [reply()]
             if isinstance(request, TrainForward):
                 self.check_hidden(tensor)
                 output = await self.training.forward(request, tensor, stream)
@@ -192,8 +212,8 @@ class InferenceRPC:
         except (RequestError, ValueError) as e:  # GradientError is a ValueError
             if isinstance(request, TrainBackward) and self.training is not None:
                 self.training.drop(request, stream)  # a refused backward drops its micro-batch, applies nothing
-            logger.info("%s(run=%r, micro=%r) refused: %s", type(request).__name__, request.run_id,
-                        request.micro_id, e)
+            logger.info("%s(run=%r, %s) refused: %s", type(request).__name__, request.run_id,
+                        getattr(request, "micro_id", getattr(request, "round", "")), e)
             return [reply(error=str(e))]
         compute_ms = 1e3 * (time.perf_counter() - started)
         metadata = InferenceReply(step=self.training.step, compute_ms=compute_ms).to_bytes()

@@ -137,6 +137,26 @@ class TrainOpen(Message):
     accumulation: int
     keep_activations: bool = True  # keep each micro-batch's graph until its backward (else recompute)
     checkpoint_every: int = 0  # save weights + AdamW state every N optimizer steps (0: never)
+    replicas: list = dataclasses.field(default_factory=list)  # peer ids of the run's other replicas of this span
+    average_every: int = 0  # H: average parameters with the replicas every H local steps (0: never)
+    outer_lr: float = 1.0  # DiLoCo outer step: Nesterov SGD on (anchor - average); lr 1, momentum 0 = plain mean
+    outer_momentum: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamsPush(Message):
+    """From a replica of the same span in run ``run_id``: its flat parameters for averaging round ``round``."""
+
+    run_id: str
+    round: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamsFetch(Message):
+    """Ask a peer serving the same span for its current flat parameters (a late replica joining)."""
+
+    start: int
+    end: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +193,7 @@ class InferenceReply(Message):
 INFERENCE_KINDS: dict[str, type[Message]] = {
     "hello": InferenceHello, "open": InferenceOpen, "step": InferenceStep, "close": InferenceClose,
     "forward": ForwardRequest, "train_open": TrainOpen, "train_forward": TrainForward, "train_backward": TrainBackward,
+    "params_push": ParamsPush, "params_fetch": ParamsFetch,
 }
 
 

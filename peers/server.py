@@ -15,7 +15,8 @@ from peers.backend import StageBackend
 from peers.config import DTYPES, StageServerConfig
 from peers.handler import StageHandler
 from peers.model import ModelConfig, load_blocks
-from peers.protocol import StageInfo
+from peers.peer_links import PeerLinks
+from peers.protocol import ParamsFetch, StageInfo
 from peers.sessions import SessionRegistry
 from peers.training_rpc import TrainingRPC
 from swarm.announcer import Announcer
@@ -64,7 +65,7 @@ class StageServer:
             identity=self.identity,
             record_validator=self.admission.record_validator(),
         )
-        announcer = backend = handler = reaper = None
+        announcer = backend = handler = reaper = links = None
         try:
             peer_id = str(self.node.peer_id)
             start, end = await self._choose_blocks()
@@ -83,8 +84,11 @@ class StageServer:
             reaper = asyncio.gather(_reap_forever(sessions), keep_revocations(
                 self.node, self.admission, period=self.config.update_period))
             info = self._make_info(peer_id, start, end, throughput)
-            training = TrainingRPC(blocks, info, checkpoint_dir=self.config.checkpoint_dir) if self.config.train \
-                else None
+            links = PeerLinks(self.node.p2p, self.admission, timeout=self.config.request_timeout)
+            training = TrainingRPC(blocks, info, checkpoint_dir=self.config.checkpoint_dir,
+                                   stream_for=links.get) if self.config.train else None
+            if training is not None:
+                await self._fetch_from_replica(training, links, start, end)
             handler = StageHandler(backend, info, sessions, request_timeout=self.config.request_timeout,
                                    identity=self.identity, require_encryption=self.config.require_encryption,
                                    admission=self.admission, training=training)
@@ -110,8 +114,32 @@ class StageServer:
                 await backend.shutdown()
             if handler is not None and handler.training is not None:
                 handler.training.shutdown()
+            if links is not None:
+                links.close()
             await _quietly(self.node.shutdown(), "stop the DHT node")
             logger.info("Stopped")
+
+    async def _fetch_from_replica(self, training: TrainingRPC, links: PeerLinks, start: int, end: int) -> None:
+        """A late replica starts from the weights its span's replicas serve now (they may have trained)."""
+        try:
+            records = await asyncio.wait_for(fetch_records(self.node, self.model_name), self.config.swarm.dht_timeout)
+        except Exception as e:
+            logger.warning("Could not look for replicas of blocks %d:%d (%r); starting from the checkpoint", start,
+                           end, e)
+            return
+        replicas = [r for r in records if (r.start, r.end) == (start, end) and r.state == PeerState.ONLINE
+                    and r.peer_id != str(self.node.peer_id)]
+        for record in replicas:
+            try:
+                stream = await links.get(record.peer_id)
+                reply, flat = await stream.call(ParamsFetch(start=start, end=end), None, self.config.request_timeout)
+                training.load_params(flat)
+            except Exception as e:
+                logger.warning("Could not fetch parameters from replica ...%s: %s", record.peer_id[-6:], e)
+                continue
+            logger.info("Fetched the current parameters of blocks %d:%d from replica ...%s (its step %d)", start,
+                        end, record.peer_id[-6:], reply.step)
+            return
 
     async def _choose_blocks(self) -> tuple[int, int]:
         if self.config.block_indices is not None:

@@ -28,7 +28,7 @@ from peers.model.local import default_position_ids
 from peers.protocol import TrainBackward, TrainForward, TrainOpen
 from peers.training import OptimConfig, PartOptimizer, loss_of, unique_parameters
 from swarm.records import PeerRecord
-from swarm.stages import choose_stages
+from swarm.stages import choose_stage_groups, spread
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,8 @@ class SwarmTrainer:
 
     def __init__(self, client: SwarmClient, optim: OptimConfig, accumulation: int, *, in_flight: int = 4,
                  run_id: str | None = None, keep_activations: bool = True, recompute: bool = False,
-                 checkpoint_every: int = 0, average_every: int = 0) -> None:
+                 checkpoint_every: int = 0, average_every: int = 0, outer_lr: float = 1.0,
+                 outer_momentum: float = 0.0) -> None:
         if accumulation < 1 or in_flight < 1:
             raise ValueError("accumulation and in_flight must be >= 1")
         if client.local_blocks is not None:
@@ -64,6 +65,10 @@ class SwarmTrainer:
         self.recompute = recompute  # stateless stages: the input travels again with each backward
         self.checkpoint_every = checkpoint_every
         self.average_every = average_every  # replicas of a stage average their parameters every H local steps
+        self.outer_lr, self.outer_momentum = outer_lr, outer_momentum  # DiLoCo outer Nesterov SGD (1, 0: mean)
+        self.replicas: list[list[PeerRecord]] = []  # per stage: the peers serving its span in this run
+        self.assignment: list[list[int]] = []  # per stage: which replica takes micro-batch i of a step
+        self.shares: list[list[int]] = []  # per stage: micro-batches per step of each replica
         for module in (client.embedding, client.head):
             module.requires_grad_(True).train()
         self.part = PartOptimizer(unique_parameters(client.embedding, client.head), optim)
@@ -88,17 +93,30 @@ class SwarmTrainer:
     # ---- async -------------------------------------------------------------------------------------
     async def start_async(self) -> list[PeerRecord]:
         records = await self.client._fetch()
-        self.stages = choose_stages(records, self.client.model_config.num_layers)
+        groups = choose_stage_groups(records, self.client.model_config.num_layers)
+        self.replicas, self.assignment, self.shares = [], [], []
+        for group in groups:  # a replica that would get no micro-batch of a step is left out of the run
+            order = spread(self.accumulation, [r.throughput for r in group])
+            used = sorted(set(order))
+            self.replicas.append([group[i] for i in used])
+            self.assignment.append([used.index(i) for i in order])
+            self.shares.append([order.count(i) for i in used])
+        self.stages = [group[0] for group in self.replicas]
         request_steps = []
-        for stage in self.stages:
-            stream = await self.client.peer_stream(stage.peer_id)
-            reply, _ = await stream.call(TrainOpen(
-                run_id=self.run_id, start=stage.start, end=stage.end, optim=self.optim.to_dict(),
-                accumulation=self.accumulation, keep_activations=self.keep_activations,
-                checkpoint_every=self.checkpoint_every), None, self.client.config.request_timeout)
-            request_steps.append(reply.step)
-        logger.info("Run %s: stages %s (their steps: %s)", self.run_id,
-                    " -> ".join(f"{s.start}:{s.end}@...{s.peer_id[-6:]}" for s in self.stages), request_steps)
+        for group, shares in zip(self.replicas, self.shares, strict=True):
+            peer_ids = [r.peer_id for r in group]
+            for record, share in zip(group, shares, strict=True):
+                stream = await self.client.peer_stream(record.peer_id)
+                reply, _ = await stream.call(TrainOpen(
+                    run_id=self.run_id, start=record.start, end=record.end, optim=self.optim.to_dict(),
+                    accumulation=share, keep_activations=self.keep_activations,
+                    checkpoint_every=self.checkpoint_every, replicas=peer_ids, average_every=self.average_every,
+                    outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
+                ), None, self.client.config.request_timeout)
+                request_steps.append(reply.step)
+        logger.info("Run %s: stages %s (their steps: %s)", self.run_id, " -> ".join(
+            f"{g[0].start}:{g[0].end}@" + "+".join(f"...{r.peer_id[-6:]}" for r in g) for g in self.replicas),
+            request_steps)
         return self.stages
 
     async def train_step_async(self, micro_batches: Sequence[torch.Tensor]) -> StepResult:
@@ -112,7 +130,7 @@ class SwarmTrainer:
 
         async def one(index: int, input_ids: torch.Tensor) -> float:
             async with gate:
-                return await self._micro_batch(input_ids, f"{self.steps_done}.{index}", stage_steps, stage_busy)
+                return await self._micro_batch(input_ids, index, stage_steps, stage_busy)
 
         tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(micro_batches)]
         try:
@@ -124,33 +142,46 @@ class SwarmTrainer:
             raise
         self.part.step()
         self.steps_done += 1
+        busy = [b / len(group) for b, group in zip(stage_busy, self.replicas, strict=True)]  # per replica
         return StepResult(sum(losses), sum(int(m[:, 1:].numel()) for m in micro_batches), stage_steps,
-                          time.perf_counter() - started, stage_busy, [s.peer_id for s in self.stages])
+                          time.perf_counter() - started, busy, [s.peer_id for s in self.stages])
 
-    async def _micro_batch(self, input_ids: torch.Tensor, micro_id: str, stage_steps: list[int],
+    async def _micro_batch(self, input_ids: torch.Tensor, index: int, stage_steps: list[int],
                            stage_busy: list[float]) -> float:
+        """Micro-batch ``index`` of the step: forward through a replica of each stage, loss, backward.
+
+        Each replica averages the gradients of its own share of the step's micro-batches (it takes a full
+        AdamW step on them); the trainer's part averages over all of them. So the gradient a replica gets is
+        scaled by ``accumulation / share`` (exactly 1 with one replica), and scaled back on its way out.
+        """
         client, timeout = self.client, self.client.config.request_timeout
+        micro_id = f"{self.steps_done}.{index}"
         input_ids = input_ids.to(client.device)
         positions = default_position_ids(input_ids)
         embedded = client.embedding.embed(input_ids, positions)  # with grad: the embedding trains here
-        hidden, inputs = embedded.detach(), []
-        for stage in self.stages:
-            stream = await client.peer_stream(stage.peer_id)
+        hidden, inputs, route = embedded.detach(), [], []
+        for stage, group in enumerate(self.replicas):
+            replica = self.assignment[stage][index]
+            route.append((group[replica].peer_id, self.accumulation / self.shares[stage][replica]))
+            stream = await client.peer_stream(route[-1][0])
             inputs.append(hidden)
             self.bytes_sent += hidden.numel() * hidden.element_size()
             reply, hidden = await stream.call(TrainForward(run_id=self.run_id, micro_id=micro_id), hidden, timeout)
-            stage_busy[len(inputs) - 1] += reply.compute_ms / 1e3
+            stage_busy[stage] += reply.compute_ms / 1e3
         last = hidden.to(client.device, client.dtype).requires_grad_(True)
         loss = loss_of(client.head.head(last), input_ids) / self.accumulation
         grad, *head_grads = torch.autograd.grad(loss, [last, *self.part.params], allow_unused=True)
-        for index in reversed(range(len(self.stages))):
-            stream = await client.peer_stream(self.stages[index].peer_id)
-            payload = torch.stack([inputs[index], grad]) if self.recompute else grad
+        for stage in reversed(range(len(self.replicas))):
+            peer_id, scale = route[stage]
+            stream = await client.peer_stream(peer_id)
+            grad = grad * scale if scale != 1 else grad
+            payload = torch.stack([inputs[stage], grad]) if self.recompute else grad
             self.bytes_sent += payload.numel() * payload.element_size()
             message = TrainBackward(run_id=self.run_id, micro_id=micro_id, recompute=self.recompute)
             reply, grad = await stream.call(message, payload, timeout)
-            stage_steps[index] = max(stage_steps[index], reply.step)
-            stage_busy[index] += reply.compute_ms / 1e3
+            grad = grad / scale if scale != 1 else grad
+            stage_steps[stage] = max(stage_steps[stage], reply.step)
+            stage_busy[stage] += reply.compute_ms / 1e3
         embedding_grads = torch.autograd.grad(embedded, self.part.params, grad.to(client.device, client.dtype),
                                               allow_unused=True)
         self.part.add(head_grads, embedding_grads)

@@ -14,9 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from peers.averaging import ReplicaAverager, StreamFor
 from peers.model.blocks import StageBlocks
-from peers.protocol import RequestError, StageInfo, TrainBackward, TrainForward, TrainOpen
+from peers.protocol import ParamsFetch, ParamsPush, RequestError, StageInfo, TrainBackward, TrainForward, TrainOpen
 from peers.training import GradientError, OptimConfig, StageTrainer
 
 logger = logging.getLogger(__name__)
@@ -27,8 +29,12 @@ MAX_PENDING = 64  # micro-batches forwarded and not yet backwarded, per run
 class TrainingRPC:
     """Serves training requests for one peer's blocks (``blocks`` is the backend's ``StageBlocks``)."""
 
-    def __init__(self, blocks: StageBlocks, info: StageInfo, *, checkpoint_dir: Path | None = None) -> None:
+    def __init__(self, blocks: StageBlocks, info: StageInfo, *, checkpoint_dir: Path | None = None,
+                 stream_for: StreamFor | None = None, average_timeout: float = 30.0) -> None:
         self.blocks, self.info, self.checkpoint_dir = blocks, info, checkpoint_dir
+        self.stream_for, self.average_timeout = stream_for, average_timeout  # streams to other peers (averaging)
+        self.averager: ReplicaAverager | None = None
+        self.average_every = 0
         self.trainer: StageTrainer | None = None
         self.run_id = ""
         self.owner: object | None = None  # the stream that opened the run
@@ -64,6 +70,7 @@ class TrainingRPC:
         else:
             self.trainer.reset_accumulation()  # a re-opened run starts its step afresh
         self.owner, self.checkpoint_every = stream, request.checkpoint_every
+        self._set_replicas(request)
         logger.info("Run %r: training blocks %d:%d (accumulation %d, step %d)", self.run_id, self.info.start,
                     self.info.end, request.accumulation, self.trainer.step)
         return self.trainer.step
@@ -91,8 +98,31 @@ class TrainingRPC:
             logger.info("Run %r: dropped micro-batch %r: %s", self.run_id, request.micro_id, e)
             raise
         if trainer.step != before:
-            self._after_step(trainer)
+            await self._after_step(trainer)
         return grad_input
+
+    def receive_params(self, request: ParamsPush, flat: torch.Tensor, sender: str) -> None:
+        """A replica's parameters for an averaging round of our run."""
+        if self.averager is None or request.run_id != self.run_id:
+            raise RequestError(f"this peer averages no run {request.run_id!r} (it is in {self.run_id!r})")
+        self.averager.receive(sender, request.round, flat, self._numel())
+
+    def current_params(self, request: ParamsFetch) -> torch.Tensor:
+        """Our flat parameters, for a replica of our span that joins late."""
+        if (request.start, request.end) != (self.info.start, self.info.end):
+            raise RequestError(f"this peer serves {self.info.start}:{self.info.end}, not {request.start}:{request.end}")
+        with torch.no_grad():
+            return parameters_to_vector(list(self.blocks.parameters())).detach().clone()
+
+    def load_params(self, flat: torch.Tensor) -> None:
+        """Replace our parameters with a replica's (checked); stale graphs are recomputed."""
+        numel = self._numel()
+        if flat.ndim != 1 or flat.numel() != numel or not bool(torch.isfinite(flat).all()):
+            raise ValueError(f"a replica sent {list(flat.shape)} values; expected {numel} finite ones")
+        with torch.no_grad():
+            vector_to_parameters(flat.to(next(self.blocks.parameters()).dtype), list(self.blocks.parameters()))
+        if self.trainer is not None:
+            self.trainer.version += 1
 
     def drop(self, request: TrainBackward, stream: object) -> None:
         """Forget a micro-batch whose backward was refused (its gradients are never applied)."""
@@ -127,7 +157,30 @@ class TrainingRPC:
         safe_run = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.run_id)[:100] or "run"
         return Path(self.checkpoint_dir) / safe_run / f"blocks-{self.info.start}-{self.info.end}"
 
-    def _after_step(self, trainer: StageTrainer) -> None:
+    def _set_replicas(self, request: TrainOpen) -> None:
+        replicas = [p for p in request.replicas if isinstance(p, str) and p != self.info.peer_id]
+        if len(replicas) != len(request.replicas) - (self.info.peer_id in request.replicas):
+            raise RequestError("replicas must be peer ids (strings)")
+        self.average_every = request.average_every if replicas else 0
+        if not self.average_every:
+            self.averager = None
+            return
+        if self.stream_for is None:
+            raise RequestError("this peer cannot reach other peers to average with its replicas")
+        if self.averager is None or self.averager.replicas != sorted(replicas):
+            self.averager = ReplicaAverager(self.info.peer_id, self.run_id, replicas, self.stream_for,
+                                            outer_lr=request.outer_lr, outer_momentum=request.outer_momentum,
+                                            timeout=self.average_timeout)
+        logger.info("Run %r: averaging with %d replica(s) every %d step(s)", self.run_id, len(replicas),
+                    self.average_every)
+
+    def _numel(self) -> int:
+        return sum(p.numel() for p in self.blocks.parameters())
+
+    async def _after_step(self, trainer: StageTrainer) -> None:
+        if self.averager is not None and trainer.step % self.average_every == 0:
+            flat = parameters_to_vector(list(self.blocks.parameters())).detach()
+            self.load_params(await self.averager.average(flat))
         path = self._checkpoint_path()
         if path is not None and self.checkpoint_every and trainer.step % self.checkpoint_every == 0:
             trainer.save(path)

@@ -7,6 +7,7 @@ in a pipeline with micro-batches in flight, the slowest stage sets the pace.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from functools import cache
 
@@ -51,3 +52,30 @@ def choose_stages(records: Sequence[PeerRecord], num_blocks: int,
         raise NoPipelineError(f"the online peers' spans ({spans}) do not tile blocks 0:{num_blocks}; training needs "
                               f"peers whose whole spans meet end to end (start peers with --block_indices)")
     return list(found[1])
+
+
+def choose_stage_groups(records: Sequence[PeerRecord], num_blocks: int) -> list[list[PeerRecord]]:
+    """Stages tiling ``[0, num_blocks)``, each with every online replica of its span (fastest first).
+
+    Spans are weighed by their replicas' combined throughput: micro-batches are spread over replicas.
+    """
+    online = [r for r in records if r.state == PeerState.ONLINE and r.end <= num_blocks]
+    groups: dict[tuple[int, int], list[PeerRecord]] = {}
+    for record in online:
+        groups.setdefault((record.start, record.end), []).append(record)
+    combined = [dataclasses.replace(min(group, key=lambda r: r.peer_id), throughput=sum(r.throughput for r in group))
+                for group in groups.values()]
+    tiling = choose_stages(combined, num_blocks)
+    return [sorted(groups[(s.start, s.end)], key=lambda r: (-r.throughput, r.peer_id)) for s in tiling]
+
+
+def spread(micro_batches: int, throughputs: Sequence[float]) -> list[int]:
+    """Which replica gets each of a step's micro-batches: in proportion to speed, each replica at least one
+    when there are enough (the replica expected to finish first takes the next one)."""
+    speeds = [max(t, 1e-9) for t in throughputs]
+    counts, order = [0] * len(speeds), []
+    for _ in range(micro_batches):
+        replica = min(range(len(speeds)), key=lambda r: ((counts[r] + 1) / speeds[r], r))
+        counts[replica] += 1
+        order.append(replica)
+    return order

@@ -1,0 +1,33 @@
+"""``PeerLinks``: a node's open streams to other peers (one each, reopened once broken), for peer-to-peer calls."""
+
+from __future__ import annotations
+
+import asyncio
+
+from hivemind.p2p import P2P
+
+from peers.peer_stream import PeerStream
+from privacy.admission import Admission
+
+
+class PeerLinks:
+    """Encrypted, admitted streams from this node to others, opened on first use."""
+
+    def __init__(self, p2p: P2P, admission: Admission, *, encrypt: bool = True, timeout: float = 30.0) -> None:
+        self.p2p, self.admission, self.encrypt, self.timeout = p2p, admission, encrypt, timeout
+        self._streams: dict[str, PeerStream] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def get(self, peer_id: str) -> PeerStream:
+        async with self._locks.setdefault(peer_id, asyncio.Lock()):
+            stream = self._streams.get(peer_id)
+            if stream is None or stream.closed:
+                stream = self._streams[peer_id] = await asyncio.wait_for(
+                    PeerStream.connect(self.p2p, peer_id, encrypt=self.encrypt, timeout=self.timeout,
+                                       admission=self.admission), self.timeout)
+            return stream
+
+    def close(self) -> None:
+        for stream in self._streams.values():
+            stream.shutdown()
+        self._streams.clear()

@@ -1,0 +1,54 @@
+"""Replicas of a stage share its micro-batches, average their parameters every H steps, and a late one catches up."""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load_file
+
+from peers.client import SwarmClient
+from peers.config import ClientConfig, SwarmConfig
+from peers.trainer import SwarmTrainer
+from peers.training import OptimConfig, TokenBatches, encode_bytes
+
+TEXT = "Replicas of one stage train on different micro-batches and then agree. " * 40
+
+
+def _weights(workdir, name: str, run_id: str) -> dict[str, torch.Tensor]:
+    return load_file(str(workdir / f"ckpt-{name}" / run_id / "blocks-4-8" / "weights.safetensors"))
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_replicas_average_and_a_late_replica_catches_up(fresh_swarm, llama_dir):
+    swarm = fresh_swarm
+    ckpt = {name: ["--checkpoint_dir", str(swarm.workdir / f"ckpt-{name}")] for name in ("a", "b", "c")}
+    first = swarm.start_peer(llama_dir, block_indices="0:4", wait=False, name="first")
+    a = swarm.start_peer(llama_dir, block_indices="4:8", wait=False, name="a", extra=ckpt["a"])
+    b = swarm.start_peer(llama_dir, block_indices="4:8", wait=False, name="b", extra=ckpt["b"])
+    for proc in (first, a, b):
+        swarm.wait_ready(proc)
+    config = ClientConfig(swarm=SwarmConfig(initial_peers=tuple(swarm.initial_peers)), request_timeout=30)
+    run_id = "replicas"
+    with SwarmClient(llama_dir, config=config) as client:
+        client.wait_for_records(3)
+        trainer = SwarmTrainer(client, OptimConfig(lr=5e-3), 4, in_flight=4, run_id=run_id, checkpoint_every=1,
+                               average_every=2)
+        trainer.start()
+        assert [len(group) for group in trainer.replicas] == [1, 2] and trainer.shares[1] == [2, 2]
+        data = TokenBatches(encode_bytes(TEXT), seq_len=16, micro_batch=2, seed=0)
+        losses = []
+        for step in range(1, 5):
+            result = trainer.train_step([data.next_micro() for _ in range(4)])
+            losses.append(result.loss)
+            assert result.stage_steps == [step, step]  # both replicas stepped on their halves
+            same = _same(_weights(swarm.workdir, "a", run_id), _weights(swarm.workdir, "b", run_id))
+            assert same == (step % 2 == 0), f"after step {step} the replicas should {'' if step % 2 else 'not '}agree"
+        assert losses[-1] < losses[0]
+
+        late = swarm.start_peer(llama_dir, block_indices="4:8", name="c", extra=ckpt["c"])
+        assert "Fetched the current parameters of blocks 4:8" in late.log()
+        hidden = torch.randn(1, 5, 64)
+        outputs = [client.loop.run(client.call_forward(p.peer_id, hidden, 4, 8)) for p in (a, b, late)]
+        assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
