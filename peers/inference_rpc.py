@@ -32,6 +32,7 @@ from peers.protocol import (
     ParamsPush,
     RequestError,
     StageInfo,
+    TrainApply,
     TrainBackward,
     TrainForward,
     TrainOpen,
@@ -97,6 +98,8 @@ class InferenceRPC:
                         yield response
                 elif isinstance(request, TrainOpen):
                     yield self._train_open(request, stream)
+                elif isinstance(request, TrainApply):
+                    yield await self._train_apply(request, stream)
                 elif isinstance(request, (TrainForward, TrainBackward, ParamsPush)):
                     for response in await self._train_call(request, requests, message, stream, owner):
                         yield response
@@ -174,6 +177,15 @@ class InferenceRPC:
             step = self.training.open(request, stream)
         except (RequestError, ValueError) as e:
             logger.info("train_open(run=%r) refused: %s", request.run_id, e)
+            return reply(error=str(e))
+        return runtime_pb2.ExpertResponse(metadata=InferenceReply(step=step).to_bytes())
+
+    async def _train_apply(self, request: TrainApply, stream: _Stream) -> runtime_pb2.ExpertResponse:
+        try:
+            if self.training is None:
+                raise RequestError("this peer does not train")
+            step = await self.training.apply(request, stream)
+        except (RequestError, ValueError) as e:
             return reply(error=str(e))
         return runtime_pb2.ExpertResponse(metadata=InferenceReply(step=step).to_bytes())
 

@@ -141,6 +141,15 @@ class TrainOpen(Message):
     average_every: int = 0  # H: average parameters with the replicas every H local steps (0: never)
     outer_lr: float = 1.0  # DiLoCo outer step: Nesterov SGD on (anchor - average); lr 1, momentum 0 = plain mean
     outer_momentum: float = 0.0
+    explicit_apply: bool = False  # step only on TrainApply (two-phase), not after `accumulation` backwards
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainApply(Message):
+    """Commit the step: apply the ``micro_batches`` accumulated since the last step (refused if any is missing)."""
+
+    run_id: str
+    micro_batches: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +202,7 @@ class InferenceReply(Message):
 INFERENCE_KINDS: dict[str, type[Message]] = {
     "hello": InferenceHello, "open": InferenceOpen, "step": InferenceStep, "close": InferenceClose,
     "forward": ForwardRequest, "train_open": TrainOpen, "train_forward": TrainForward, "train_backward": TrainBackward,
-    "params_push": ParamsPush, "params_fetch": ParamsFetch,
+    "params_push": ParamsPush, "params_fetch": ParamsFetch, "train_apply": TrainApply,
 }
 
 

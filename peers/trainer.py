@@ -22,10 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
 from peers.client import SwarmClient
 from peers.model.local import default_position_ids
-from peers.protocol import TrainBackward, TrainForward, TrainOpen
+from peers.protocol import RequestError, TrainApply, TrainBackward, TrainForward, TrainOpen
 from peers.training import OptimConfig, PartOptimizer, loss_of, unique_parameters
 from swarm.records import PeerRecord
 from swarm.stages import choose_stage_groups, spread
@@ -46,6 +47,14 @@ class StepResult:
     def utilisation(self) -> list[float]:
         """Fraction of the step's wall time each stage spent computing."""
         return [busy / self.seconds if self.seconds > 0 else 0.0 for busy in self.stage_busy]
+
+
+class StageFailure(ConnectionError):
+    """A stage peer broke its stream or timed out; the step is retried on re-chosen stages."""
+
+    def __init__(self, peer_id: str, error: BaseException) -> None:
+        super().__init__(f"stage peer ...{peer_id[-6:]} failed: {error!r}")
+        self.peer_id, self.error = peer_id, error
 
 
 class SwarmTrainer:
@@ -92,7 +101,8 @@ class SwarmTrainer:
 
     # ---- async -------------------------------------------------------------------------------------
     async def start_async(self) -> list[PeerRecord]:
-        records = await self.client._fetch()
+        banned = self.client.router.banned()
+        records = [r for r in await self.client._fetch() if r.peer_id not in banned]
         groups = choose_stage_groups(records, self.client.model_config.num_layers)
         self.replicas, self.assignment, self.shares = [], [], []
         for group in groups:  # a replica that would get no micro-batch of a step is left out of the run
@@ -111,7 +121,7 @@ class SwarmTrainer:
                     run_id=self.run_id, start=record.start, end=record.end, optim=self.optim.to_dict(),
                     accumulation=share, keep_activations=self.keep_activations,
                     checkpoint_every=self.checkpoint_every, replicas=peer_ids, average_every=self.average_every,
-                    outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
+                    outer_lr=self.outer_lr, outer_momentum=self.outer_momentum, explicit_apply=True,
                 ), None, self.client.config.request_timeout)
                 request_steps.append(reply.step)
         logger.info("Run %s: stages %s (their steps: %s)", self.run_id, " -> ".join(
@@ -120,13 +130,39 @@ class SwarmTrainer:
         return self.stages
 
     async def train_step_async(self, micro_batches: Sequence[torch.Tensor]) -> StepResult:
+        """Run the step's micro-batches (retried on another pipeline if a stage peer fails), then commit it."""
         if not self.stages:
             await self.start_async()
         if len(micro_batches) != self.accumulation:
             raise ValueError(f"a step takes {self.accumulation} micro-batches (accumulation), got {len(micro_batches)}")
-        gate, started = asyncio.Semaphore(self.in_flight), time.perf_counter()
-        stage_steps: list[int] = [0] * len(self.stages)
-        stage_busy: list[float] = [0.0] * len(self.stages)
+        started, failures = time.perf_counter(), 0
+        while True:
+            stage_steps: list[int] = [0] * len(self.replicas)
+            stage_busy: list[float] = [0.0] * len(self.replicas)
+            try:
+                losses = await self._run_micro_batches(micro_batches, stage_steps, stage_busy)
+                break
+            except StageFailure as failure:
+                self.part.zero_grad()  # the trainer's share of the failed attempt is discarded too
+                failures += 1
+                self.client.router.on_failure(failure.peer_id, failure.error)
+                if failures > self.client.config.max_retries:
+                    raise RuntimeError(f"step {self.steps_done} failed {failures} times (last: {failure}); check "
+                                       f"`swarm status` and that peers whose spans tile the model are up") from failure
+                logger.warning("Run %s: %s; re-choosing the stages and retrying step %d", self.run_id, failure,
+                               self.steps_done)
+                await asyncio.sleep(min(0.2 * 2**failures, 2.0))
+                await self.start_async()  # re-opening the run discards every stage's partial step
+        await self._commit(stage_steps)
+        self.part.step()
+        self.steps_done += 1
+        busy = [b / len(group) for b, group in zip(stage_busy, self.replicas, strict=True)]  # per replica
+        return StepResult(sum(losses), sum(int(m[:, 1:].numel()) for m in micro_batches), stage_steps,
+                          time.perf_counter() - started, busy, [s.peer_id for s in self.stages])
+
+    async def _run_micro_batches(self, micro_batches: Sequence[torch.Tensor], stage_steps: list[int],
+                                 stage_busy: list[float]) -> list[float]:
+        gate = asyncio.Semaphore(self.in_flight)
 
         async def one(index: int, input_ids: torch.Tensor) -> float:
             async with gate:
@@ -134,17 +170,38 @@ class SwarmTrainer:
 
         tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(micro_batches)]
         try:
-            losses = await asyncio.gather(*tasks)
+            return await asyncio.gather(*tasks)
         except BaseException:
             for task in tasks:
                 task.cancel()
-            self.part.zero_grad()  # the trainer's share of a failed step is discarded too
+            await asyncio.gather(*tasks, return_exceptions=True)
             raise
-        self.part.step()
-        self.steps_done += 1
-        busy = [b / len(group) for b, group in zip(stage_busy, self.replicas, strict=True)]  # per replica
-        return StepResult(sum(losses), sum(int(m[:, 1:].numel()) for m in micro_batches), stage_steps,
-                          time.perf_counter() - started, busy, [s.peer_id for s in self.stages])
+
+    async def _commit(self, stage_steps: list[int]) -> None:
+        """Phase two: every replica applies its share of the step at once (and averages when due)."""
+        calls = [(stage, record.peer_id, TrainApply(run_id=self.run_id, micro_batches=share))
+                 for stage, (group, shares) in enumerate(zip(self.replicas, self.shares, strict=True))
+                 for record, share in zip(group, shares, strict=True)]
+        results = await asyncio.gather(*(self._call(peer_id, message, None) for _, peer_id, message in calls),
+                                       return_exceptions=True)
+        for (stage, peer_id, _), result in zip(calls, results, strict=True):
+            if isinstance(result, BaseException):  # its share of this step is lost; the others applied theirs
+                logger.warning("Run %s: peer ...%s did not apply step %d: %s", self.run_id, peer_id[-6:],
+                               self.steps_done, result)
+                self.client.router.on_failure(peer_id, result)
+                self.stages = []  # choose the stages again before the next step
+            else:
+                stage_steps[stage] = max(stage_steps[stage], result[0].step)
+
+    async def _call(self, peer_id: str, message, tensor: torch.Tensor | None):
+        """One request to a stage; a broken stream or a timeout becomes ``StageFailure`` (retried elsewhere)."""
+        try:
+            stream = await self.client.peer_stream(peer_id)
+            return await stream.call(message, tensor, self.client.config.request_timeout)
+        except RequestError:
+            raise
+        except (ConnectionError, TimeoutError, asyncio.TimeoutError, OSError, P2PDaemonError, P2PHandlerError) as e:
+            raise StageFailure(peer_id, e) from e
 
     async def _micro_batch(self, input_ids: torch.Tensor, index: int, stage_steps: list[int],
                            stage_busy: list[float]) -> float:
@@ -154,7 +211,7 @@ class SwarmTrainer:
         AdamW step on them); the trainer's part averages over all of them. So the gradient a replica gets is
         scaled by ``accumulation / share`` (exactly 1 with one replica), and scaled back on its way out.
         """
-        client, timeout = self.client, self.client.config.request_timeout
+        client = self.client
         micro_id = f"{self.steps_done}.{index}"
         input_ids = input_ids.to(client.device)
         positions = default_position_ids(input_ids)
@@ -163,22 +220,20 @@ class SwarmTrainer:
         for stage, group in enumerate(self.replicas):
             replica = self.assignment[stage][index]
             route.append((group[replica].peer_id, self.accumulation / self.shares[stage][replica]))
-            stream = await client.peer_stream(route[-1][0])
             inputs.append(hidden)
             self.bytes_sent += hidden.numel() * hidden.element_size()
-            reply, hidden = await stream.call(TrainForward(run_id=self.run_id, micro_id=micro_id), hidden, timeout)
+            reply, hidden = await self._call(route[-1][0], TrainForward(run_id=self.run_id, micro_id=micro_id), hidden)
             stage_busy[stage] += reply.compute_ms / 1e3
         last = hidden.to(client.device, client.dtype).requires_grad_(True)
         loss = loss_of(client.head.head(last), input_ids) / self.accumulation
         grad, *head_grads = torch.autograd.grad(loss, [last, *self.part.params], allow_unused=True)
         for stage in reversed(range(len(self.replicas))):
             peer_id, scale = route[stage]
-            stream = await client.peer_stream(peer_id)
             grad = grad * scale if scale != 1 else grad
             payload = torch.stack([inputs[stage], grad]) if self.recompute else grad
             self.bytes_sent += payload.numel() * payload.element_size()
             message = TrainBackward(run_id=self.run_id, micro_id=micro_id, recompute=self.recompute)
-            reply, grad = await stream.call(message, payload, timeout)
+            reply, grad = await self._call(peer_id, message, payload)
             grad = grad / scale if scale != 1 else grad
             stage_steps[stage] = max(stage_steps[stage], reply.step)
             stage_busy[stage] += reply.compute_ms / 1e3

@@ -18,7 +18,16 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from peers.averaging import ReplicaAverager, StreamFor
 from peers.model.blocks import StageBlocks
-from peers.protocol import ParamsFetch, ParamsPush, RequestError, StageInfo, TrainBackward, TrainForward, TrainOpen
+from peers.protocol import (
+    ParamsFetch,
+    ParamsPush,
+    RequestError,
+    StageInfo,
+    TrainApply,
+    TrainBackward,
+    TrainForward,
+    TrainOpen,
+)
 from peers.training import GradientError, OptimConfig, StageTrainer
 
 logger = logging.getLogger(__name__)
@@ -60,7 +69,8 @@ class TrainingRPC:
             raise RequestError(f"bad optimizer config: {e}") from None
         if self.trainer is None or self.run_id != request.run_id:
             self.trainer = StageTrainer(self.blocks, optim, request.accumulation,
-                                        keep_activations=request.keep_activations, max_pending=MAX_PENDING)
+                                        keep_activations=request.keep_activations, max_pending=MAX_PENDING,
+                                        auto_step=not request.explicit_apply)
             self.run_id = request.run_id
             path = self._checkpoint_path()
             if path is not None and (path / "state.json").is_file():
@@ -69,6 +79,8 @@ class TrainingRPC:
                             self.info.end, path, self.trainer.step)
         else:
             self.trainer.reset_accumulation()  # a re-opened run starts its step afresh
+            self.trainer.accumulation, self.trainer.auto_step = request.accumulation, not request.explicit_apply
+            self.trainer.keep_activations = request.keep_activations
         self.owner, self.checkpoint_every = stream, request.checkpoint_every
         self._set_replicas(request)
         logger.info("Run %r: training blocks %d:%d (accumulation %d, step %d)", self.run_id, self.info.start,
@@ -100,6 +112,19 @@ class TrainingRPC:
         if trainer.step != before:
             await self._after_step(trainer)
         return grad_input
+
+    async def apply(self, request: TrainApply, stream: object) -> int:
+        """Two-phase commit of a step; returns the stage's step count after it."""
+        trainer = self._trainer(request.run_id, stream)
+        before = trainer.step
+        try:
+            await self._compute(trainer.apply, request.micro_batches)
+        except GradientError as e:
+            logger.warning("Run %r: step not applied: %s", self.run_id, e)
+            raise
+        if trainer.step != before:
+            await self._after_step(trainer)
+        return trainer.step
 
     def receive_params(self, request: ParamsPush, flat: torch.Tensor, sender: str) -> None:
         """A replica's parameters for an averaging round of our run."""

@@ -102,8 +102,9 @@ class Router:
         refresh_period: float = 5.0,
         ban_time: float = 2.0,
         max_ban_time: float = 60.0,
+        missing_grace: float = 3.0,
     ) -> None:
-        self._fetch, self.model = fetch, model
+        self._fetch, self.model, self.missing_grace = fetch, model, missing_grace
         self.refresh_period, self.ban_time, self.max_ban_time = refresh_period, ban_time, max_ban_time
         self.records: list[PeerRecord] = []
         self._fetched_at = -float("inf")
@@ -135,6 +136,20 @@ class Router:
             old = self.rtt.get(peer_id)
             self.rtt[peer_id] = rtt if old is None else 0.8 * old + 0.2 * rtt
 
+    async def _wait_for_records(self, start: int, end: int) -> None:
+        """Give the swarm ``missing_grace`` seconds to show peers for ``[start, end)`` (banned or not): a peer
+        whose heartbeat is late under load drops out of the DHT for a moment. Raises ``MissingBlocksError``."""
+        deadline = time.monotonic() + self.missing_grace
+        while True:
+            try:
+                make_chain(self.records, start, end, rtt=self.rtt, model=self.model)
+                return
+            except MissingBlocksError:
+                if time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(0.5)
+            await self.refresh(force=True)
+
     async def make_chain(self, start: int, end: int) -> list[Hop]:
         """A chain for ``[start, end)``.
 
@@ -149,7 +164,7 @@ class Router:
         try:
             return make_chain(self.records, start, end, rtt=self.rtt, banned=self.banned(), model=self.model)
         except MissingBlocksError:
-            make_chain(self.records, start, end, rtt=self.rtt, model=self.model)  # raises if bans are not the cause
+            await self._wait_for_records(start, end)  # raises if nobody serves the span, banned or not
             now = time.monotonic()
             wait = min((until for until, _ in self._bans.values() if until > now), default=now) - now
             logger.info("Every peer that serves blocks %d:%d is banned; retrying in %.1f s", start, end, wait)

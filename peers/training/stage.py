@@ -50,7 +50,7 @@ class StageTrainer:
     """Training state of a ``StageBlocks`` on one peer: saved micro-batches, grads, AdamW, step count."""
 
     def __init__(self, blocks: StageBlocks, optim: OptimConfig, accumulation: int, *, keep_activations: bool = True,
-                 max_pending: int = 64) -> None:
+                 max_pending: int = 64, auto_step: bool = True) -> None:
         if accumulation < 1:
             raise ValueError(f"accumulation must be >= 1, got {accumulation}")
         if max_pending < 1:
@@ -59,6 +59,7 @@ class StageTrainer:
         self.accumulation = accumulation
         self.keep_activations = keep_activations
         self.max_pending = max_pending
+        self.auto_step = auto_step  # step after ``accumulation`` backwards; else only when ``apply`` is called
         self.part = PartOptimizer(self.blocks.parameters(), optim)
         self.version = 0  # bumped whenever the weights change (optimizer step or load)
         self.micro_count = 0  # backward passes since the last optimizer step
@@ -140,7 +141,7 @@ class StageTrainer:
                                     "nothing was applied (check the loss scale and the incoming gradient)")
             self.part.add(grads[1:])
             self.micro_count += 1
-            if self.micro_count >= self.accumulation:
+            if self.auto_step and self.micro_count >= self.accumulation:
                 self._optimizer_step()
             return grads[0]
 
@@ -160,6 +161,20 @@ class StageTrainer:
             self.version += 1
             logger.debug("blocks [%d, %d): step %d, grad-norm %.4g", self.blocks.start, self.blocks.end,
                          self.step, self.last_grad_norm)
+
+    def apply(self, expected: int) -> None:
+        """Step now on the ``expected`` micro-batches accumulated since the last step (two-phase: the trainer
+        says when its step is complete). A different count means part of the step was lost: its partial
+        gradients are discarded and ``GradientError`` raised, so no stage applies half a step."""
+        with self._lock:
+            if self.micro_count != expected:
+                got = self.micro_count
+                self._pending.clear()
+                self.part.zero_grad()
+                self.micro_count = 0
+                raise GradientError(f"this stage holds {got} micro-batch(es) of the step, not {expected}: the step's "
+                                    "gradients were discarded (retry the step)")
+            self._optimizer_step()
 
     def drop(self, micro_id: str) -> bool:
         """Forget a pending micro-batch; True if it was pending."""

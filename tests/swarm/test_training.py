@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from peers.client import SwarmClient
 from peers.config import ClientConfig, SwarmConfig
 from peers.launch import LocalSwarm
-from peers.protocol import RequestError, TrainBackward, TrainForward, TrainOpen
+from peers.protocol import RequestError, TrainApply, TrainBackward, TrainForward, TrainOpen
 from peers.trainer import SwarmTrainer
 from peers.training import LocalTrainer, OptimConfig, TokenBatches, encode_bytes
 
@@ -21,7 +21,7 @@ TEXT = "A swarm of ordinary computers trains one model together, block by block.
 
 
 def _start(workdir, llama_dir) -> LocalSwarm:
-    swarm = LocalSwarm(workdir, update_period=1.0)
+    swarm = LocalSwarm(workdir, update_period=2.0)
     swarm.start_dht()
     procs = [swarm.start_peer(llama_dir, block_indices=span, wait=False, name=f"stage{i}",
                               extra=["--checkpoint_dir", str(workdir / f"ckpt{i}")])
@@ -103,8 +103,12 @@ def test_bad_gradients_are_refused_and_nothing_is_applied(train_swarm, llama_dir
         async def backward(micro_id: str, grad: torch.Tensor):
             return await stream.call(TrainBackward(run_id="bad-grads", micro_id=micro_id), grad, 10)
 
+        async def apply(count: int):
+            return await stream.call(TrainApply(run_id="bad-grads", micro_batches=count), None, 10)
+
         before = client.loop.run(forward("probe"))
-        client.loop.run(backward("probe", torch.zeros_like(before)))  # accumulation 1: zero grad, AdamW decay only
+        client.loop.run(backward("probe", torch.zeros_like(before)))
+        assert client.loop.run(apply(1))[0].step == 1  # a zero grad: only AdamW's weight decay moves the weights
         for micro_id, grad, message in (
             ("shape", torch.zeros(2, 5, 64), "has shape"),
             ("nan", torch.full((2, 6, 64), float("nan")), "NaN or infinite"),
@@ -117,11 +121,19 @@ def test_bad_gradients_are_refused_and_nothing_is_applied(train_swarm, llama_dir
                 client.loop.run(backward(micro_id, torch.zeros(2, 6, 64)))
         with pytest.raises(RequestError, match="not pending"):
             client.loop.run(backward("never-forwarded", torch.zeros(2, 6, 64)))
+        with pytest.raises(RequestError, match="holds 0 micro-batch"):  # a step missing micro-batches is refused
+            client.loop.run(apply(1))
         after = client.loop.run(forward("after"))
         reference = client.loop.run(forward("again"))
         assert torch.equal(after, reference)  # refusals stepped nothing
-        reply, _ = client.loop.run(backward("after", torch.ones_like(after) * 1e-3))
-        assert reply.step >= 1  # a good micro-batch still trains
+        client.loop.run(backward("after", torch.ones_like(after) * 1e-3))
+        client.loop.run(forward("lost"))
+        client.loop.run(backward("lost", torch.ones_like(after) * 1e-3))
+        with pytest.raises(RequestError, match="holds 2 micro-batch"):  # the trainer expected 3: nothing applied
+            client.loop.run(apply(3))
+        assert torch.equal(client.loop.run(forward("unchanged")), reference)
+        client.loop.run(backward("unchanged", torch.ones_like(after) * 1e-3))
+        assert client.loop.run(apply(1))[0].step == 2  # a good micro-batch still trains
         with pytest.raises(RequestError, match="not open on this stream"):
             client.loop.run(stream.call(TrainForward(run_id="other-run", micro_id="x"), hidden, 10))
 
@@ -161,3 +173,26 @@ def test_train_open_refusals(train_swarm, llama_dir):
                 client.loop.run(stream.call(TrainOpen(**{**good, **change}), None, 10))
         reply, _ = client.loop.run(stream.call(TrainOpen(**good), None, 10))
         assert reply.step == 0
+
+
+def test_a_stage_peer_that_dies_mid_run_costs_a_retry_not_a_step(fresh_swarm, llama_dir):
+    """Two replicas of 4:8; one is killed: the step is retried on the other and every step is applied once."""
+    swarm = fresh_swarm
+    first = swarm.start_peer(llama_dir, block_indices="0:4", wait=False, name="first")
+    a = swarm.start_peer(llama_dir, block_indices="4:8", wait=False, name="a")
+    b = swarm.start_peer(llama_dir, block_indices="4:8", wait=False, name="b")
+    for proc in (first, a, b):
+        swarm.wait_ready(proc)
+    config = ClientConfig(swarm=SwarmConfig(initial_peers=tuple(swarm.initial_peers)), request_timeout=4)
+    with SwarmClient(llama_dir, config=config) as client:
+        client.wait_for_records(3)
+        trainer = SwarmTrainer(client, OPTIM, 2, in_flight=2, run_id="survivor")
+        trainer.start()
+        assert len(trainer.replicas[1]) == 2
+        data = _batches(3)
+        assert trainer.train_step([data.next_micro() for _ in range(2)]).stage_steps == [1, 1]
+        a.kill()
+        result = trainer.train_step([data.next_micro() for _ in range(2)])
+        assert [r.peer_id for r in trainer.replicas[1]] == [b.peer_id]
+        assert result.stage_steps == [2, 2]  # stage 0 applied the retried step once; b took both micro-batches
+        assert trainer.train_step([data.next_micro() for _ in range(2)]).stage_steps == [3, 3]
