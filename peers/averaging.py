@@ -28,13 +28,15 @@ class ReplicaAverager:
     """Averaging rounds of one run's replica of a span; ``receive`` is fed by the stream handler."""
 
     def __init__(self, own_peer_id: str, run_id: str, replicas: list[str], stream_for: StreamFor, *,
-                 outer_lr: float = 1.0, outer_momentum: float = 0.0, timeout: float = 30.0) -> None:
+                 outer_lr: float = 1.0, outer_momentum: float = 0.0, timeout: float = 30.0,
+                 anchor: torch.Tensor | None = None) -> None:
         self.own_peer_id, self.run_id, self.replicas = own_peer_id, run_id, sorted(set(replicas) - {own_peer_id})
         self.stream_for, self.timeout = stream_for, timeout
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
         self._inbox: dict[int, dict[str, torch.Tensor]] = {}
         self._arrived: dict[int, asyncio.Event] = {}
-        self._anchor: torch.Tensor | None = None  # parameters after the previous round
+        # parameters after the previous round (at first: when the run opened, the same on every replica)
+        self._anchor = None if anchor is None else anchor.detach().to(torch.float32).clone()
         self._velocity: torch.Tensor | None = None
         self.rounds = 0
         self.last_group = 0  # replicas averaged in the last round (self included)

@@ -6,10 +6,19 @@ theirs (``peers.training_rpc``). A micro-batch goes: embedding here -> ``train_f
 tensor travels on the client's encrypted stream to each peer. Up to ``in_flight`` micro-batches are under
 way at once, so the stages work concurrently (a stage runs its stream's requests in order).
 
-Weight staleness is zero: a step's micro-batches all see the same weights, because every stage applies its
-update only after the step's last backward, and the trainer starts the next step's micro-batches only once
-every backward of this one has returned. The price is a pipeline fill and drain per step (with S stages
-and M micro-batches the bubble is about (S-1)/(M+S-1)); more micro-batches per step make it smaller.
+A step is two-phase: the micro-batches only accumulate gradients on the stages; once all of them are back,
+``train_apply`` tells every stage to apply its share, and a stage refuses if it holds fewer micro-batches
+than the trainer sent it. So a stage peer that dies mid-step costs a retry of that step on re-chosen stages
+(re-opening the run discards partial gradients everywhere), and a trainer that vanishes applies nothing.
+
+Stages with several replicas (peers serving the same span) split each step's micro-batches in proportion to
+their speed; each replica takes a full AdamW step on its share, and every ``average_every`` steps the
+replicas average their parameters (``peers.averaging``, DiLoCo-style).
+
+Weight staleness is zero: a step's micro-batches all see the same weights, because stages apply updates
+only on ``train_apply`` and the next step starts after it. The price is a pipeline fill and drain per step
+(with S stages and M micro-batches the bubble is about (S-1)/(M+S-1)); more micro-batches per step shrink it.
+Between averaging rounds, replicas of a stage drift apart (by design, as in DiLoCo); that is not staleness.
 """
 
 from __future__ import annotations

@@ -136,6 +136,9 @@ class TrainingRPC:
         """Our flat parameters, for a replica of our span that joins late."""
         if (request.start, request.end) != (self.info.start, self.info.end):
             raise RequestError(f"this peer serves {self.info.start}:{self.info.end}, not {request.start}:{request.end}")
+        return self.current_flat()
+
+    def current_flat(self) -> torch.Tensor:
         with torch.no_grad():
             return parameters_to_vector(list(self.blocks.parameters())).detach().clone()
 
@@ -195,7 +198,7 @@ class TrainingRPC:
         if self.averager is None or self.averager.replicas != sorted(replicas):
             self.averager = ReplicaAverager(self.info.peer_id, self.run_id, replicas, self.stream_for,
                                             outer_lr=request.outer_lr, outer_momentum=request.outer_momentum,
-                                            timeout=self.average_timeout)
+                                            timeout=self.average_timeout, anchor=self.current_flat())
         logger.info("Run %r: averaging with %d replica(s) every %d step(s)", self.run_id, len(replicas),
                     self.average_every)
 
