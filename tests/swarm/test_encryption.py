@@ -161,3 +161,28 @@ def test_peer_refuses_plaintext_streams_by_default(fresh_swarm, llama_dir):
     with _client(fresh_swarm, llama_dir, encrypt=False) as client:
         with pytest.raises(RequestError, match="only takes encrypted streams"):
             client.generate(torch.tensor([[1, 2, 3]]), 2)
+
+
+def test_training_is_identical_with_encryption_on_and_off_and_never_plaintext(open_peer, llama_dir, wire):
+    """A 1e-30 learning rate is below fp32 resolution: the peer keeps its weights, so both runs see the same model."""
+    from peers.model.local import default_position_ids
+    from peers.trainer import SwarmTrainer
+    from peers.training import OptimConfig, TokenBatches, encode_bytes
+
+    swarm, _ = open_peer
+    results = {}
+    for encrypt in (True, False):
+        data = TokenBatches(encode_bytes("Encrypted or not, the same numbers. " * 30), seq_len=12, micro_batch=2,
+                            seed=4)
+        with _client(swarm, llama_dir, encrypt=encrypt) as client:
+            trainer = SwarmTrainer(client, OptimConfig(lr=1e-30, weight_decay=0.0), 2, run_id=f"enc-{encrypt}")
+            trainer.start()
+            wire.clear()
+            micro = [data.next_micro() for _ in range(2)]
+            losses = [trainer.train_step(micro).loss, trainer.train_step([data.next_micro() for _ in range(2)]).loss]
+            with torch.no_grad():
+                embedded = client.embedding.embed(micro[0], default_position_ids(micro[0]))
+            needle = embedded.numpy().tobytes()[64:96]
+            results[encrypt] = (losses, trainer.part.last_grad_norm, any(needle in m for m in wire))
+    assert results[True][:2] == results[False][:2]  # losses and the grad-norm that came back through the peer
+    assert results[True][2] is False and results[False][2] is True  # the control finds the plaintext
