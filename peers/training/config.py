@@ -123,7 +123,8 @@ class OptimConfig:
 
 _TRAIN_TYPES = {
     "model_dir": "path", "model_name": "str?", "data": "path?", "seq_len": "int", "batch_size": "int",
-    "micro_batch": "int", "steps": "int", "in_flight": "int", "average_every": "int",
+    "micro_batch": "int", "steps": "int", "in_flight": "int", "average_every": "int", "outer_lr": "float",
+    "outer_momentum": "float",
     "checkpoint_dir": "path?", "checkpoint_every": "int", "seed": "int", "keep_activations": "bool",
 }
 _PATH_KEYS = ("model_dir", "data", "checkpoint_dir")
@@ -147,6 +148,8 @@ class TrainConfig:
     steps: int = 50
     in_flight: int = 4
     average_every: int = 0
+    outer_lr: float = 1.0  # replicas' outer step (DiLoCo: Nesterov SGD on anchor - mean); 1 and 0: plain mean
+    outer_momentum: float = 0.0
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0
     seed: int = 0
@@ -162,6 +165,9 @@ class TrainConfig:
                     for k in ("seq_len", "batch_size", "micro_batch", "steps", "in_flight") if getattr(self, k) < 1]
         problems += [f"{k} must be >= 0, got {getattr(self, k)}"
                      for k in ("average_every", "checkpoint_every", "seed") if getattr(self, k) < 0]
+        if not 0 < self.outer_lr <= 2 or not 0 <= self.outer_momentum < 1:
+            problems.append(f"outer_lr must be in (0, 2] and outer_momentum in [0, 1), got {self.outer_lr} and "
+                            f"{self.outer_momentum}")
         if not problems and self.batch_size % self.micro_batch:
             problems.append(f"batch_size ({self.batch_size}) must be a multiple of micro_batch ({self.micro_batch})")
         if self.checkpoint_every and self.checkpoint_dir is None:
