@@ -91,6 +91,9 @@ def make_chain(
     return hops[::-1]
 
 
+GRACE_POLL = 0.5  # seconds between snapshots while waiting for a span's peers to reappear
+
+
 class Router:
     """Keeps a fresh snapshot of the swarm, measured RTTs and a ban list with growing backoff."""
 
@@ -139,16 +142,16 @@ class Router:
     async def _wait_for_records(self, start: int, end: int) -> None:
         """Give the swarm ``missing_grace`` seconds to show peers for ``[start, end)`` (banned or not): a peer
         whose heartbeat is late under load drops out of the DHT for a moment. Raises ``MissingBlocksError``."""
-        deadline = time.monotonic() + self.missing_grace
-        while True:
+        for attempt in range(int(self.missing_grace / GRACE_POLL) + 1):
+            if attempt:
+                await asyncio.sleep(GRACE_POLL)
+                await self.refresh(force=True)
             try:
                 make_chain(self.records, start, end, rtt=self.rtt, model=self.model)
                 return
             except MissingBlocksError:
-                if time.monotonic() >= deadline:
+                if attempt == int(self.missing_grace / GRACE_POLL):
                     raise
-            await asyncio.sleep(0.5)
-            await self.refresh(force=True)
 
     async def make_chain(self, start: int, end: int) -> list[Hop]:
         """A chain for ``[start, end)``.

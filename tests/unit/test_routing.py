@@ -275,7 +275,7 @@ def test_router_make_chain_refreshes_once_when_snapshot_lacks_blocks(clock):
 
 def test_router_make_chain_raises_after_one_refresh(clock):
     fetch = FakeFetch([rec("A", 0, 4)])
-    r = router(fetch, refresh_period=100.0, model="llama-tiny")
+    r = router(fetch, refresh_period=100.0, model="llama-tiny", missing_grace=0.0)
 
     async def main():
         return await r.make_chain(0, 8)
@@ -285,6 +285,19 @@ def test_router_make_chain_raises_after_one_refresh(clock):
     assert info.value.blocks == [4, 5, 6, 7]
     assert "llama-tiny" in str(info.value)
     assert fetch.calls == 2
+
+
+def test_router_waits_a_grace_period_for_a_late_heartbeat(clock, monkeypatch):
+    """A peer whose record lapsed for a moment (late heartbeat under load) does not fail the request."""
+    monkeypatch.setattr(routing, "GRACE_POLL", 0.001)
+    fetch = FakeFetch([rec("A", 0, 4)], [rec("A", 0, 4)], [rec("A", 0, 4), rec("B", 4, 8)])
+    r = router(fetch, refresh_period=100.0, missing_grace=0.005)
+
+    async def main():
+        return await r.make_chain(0, 8)
+
+    assert asyncio.run(main()) == hops(("A", 0, 4), ("B", 4, 8))
+    assert fetch.calls == 3
 
 
 def test_router_uses_cached_snapshot_within_refresh_period(clock):
