@@ -88,6 +88,7 @@ class StageServer:
             training = TrainingRPC(blocks, info, checkpoint_dir=self.config.checkpoint_dir,
                                    stream_for=links.get) if self.config.train else None
             if training is not None:
+                training.resume_latest()  # our own checkpoint first; a replica serving now is more current
                 await self._fetch_from_replica(training, links, start, end)
             handler = StageHandler(backend, info, sessions, request_timeout=self.config.request_timeout,
                                    identity=self.identity, require_encryption=self.config.require_encryption,

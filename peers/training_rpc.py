@@ -29,6 +29,7 @@ from peers.protocol import (
     TrainOpen,
 )
 from peers.training import GradientError, OptimConfig, StageTrainer
+from peers.training.state import read_state_info
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,27 @@ class TrainingRPC:
         logger.info("Run %r: training blocks %d:%d (accumulation %d, step %d)", self.run_id, self.info.start,
                     self.info.end, request.accumulation, self.trainer.step)
         return self.trainer.step
+
+    def resume_latest(self) -> str | None:
+        """After a restart: load the newest checkpoint of our span (any run) so we serve trained weights at once;
+        a ``train_open`` of that run continues from it. Returns the run id, or None if there is none."""
+        if self.checkpoint_dir is None:
+            return None
+        span = f"blocks-{self.info.start}-{self.info.end}"
+        found = sorted(Path(self.checkpoint_dir).glob(f"*/{span}/state.json"), key=lambda p: p.stat().st_mtime)
+        for state_file in reversed(found):
+            try:
+                optim = OptimConfig.from_dict(read_state_info(state_file.parent)["optim"])
+                trainer = StageTrainer(self.blocks, optim, 1, max_pending=MAX_PENDING, auto_step=False)
+                trainer.load(state_file.parent)
+            except (OSError, KeyError, ValueError) as e:
+                logger.warning("Could not resume from %s: %s", state_file.parent, e)
+                continue
+            self.trainer, self.run_id = trainer, state_file.parent.parent.name
+            logger.info("Resumed blocks %d:%d of run %r from %s (step %d)", self.info.start, self.info.end,
+                        self.run_id, state_file.parent, trainer.step)
+            return self.run_id
+        return None
 
     async def forward(self, request: TrainForward, hidden: torch.Tensor, stream: object) -> torch.Tensor:
         trainer = self._trainer(request.run_id, stream)

@@ -196,3 +196,33 @@ def test_a_stage_peer_that_dies_mid_run_costs_a_retry_not_a_step(fresh_swarm, ll
         assert [r.peer_id for r in trainer.replicas[1]] == [b.peer_id]
         assert result.stage_steps == [2, 2]  # stage 0 applied the retried step once; b took both micro-batches
         assert trainer.train_step([data.next_micro() for _ in range(2)]).stage_steps == [3, 3]
+
+
+def test_a_restarted_stage_peer_resumes_from_its_checkpoint(fresh_swarm, llama_dir):
+    """Weights and AdamW state come back after a restart: the run continues at the peer's saved step."""
+    swarm = fresh_swarm
+    identity = swarm.workdir / "stage1.id"
+    flags = ["--checkpoint_dir", str(swarm.workdir / "ckpt"), "--identity_path", str(identity)]
+    swarm.start_peer(llama_dir, block_indices="0:4", name="stage0")
+    stage1 = swarm.start_peer(llama_dir, block_indices="4:8", name="stage1", extra=flags)
+    config = ClientConfig(swarm=SwarmConfig(initial_peers=tuple(swarm.initial_peers)), request_timeout=20)
+    hidden = torch.randn(1, 5, 64)
+    with SwarmClient(llama_dir, config=config) as client:
+        client.wait_for_records(2)
+        trainer = SwarmTrainer(client, OPTIM, 2, run_id="restart", checkpoint_every=1)
+        data = _batches(5)
+        for _ in range(2):
+            trainer.train_step([data.next_micro() for _ in range(2)])
+        trained = client.loop.run(client.call_forward(stage1.peer_id, hidden, 4, 8))
+    stage1.stop()
+    again = swarm.start_peer(llama_dir, block_indices="4:8", name="stage1-again", extra=flags)
+    assert again.peer_id == stage1.peer_id  # same identity file, same peer id
+    assert "Resumed blocks 4:8 of run 'restart'" in again.log()
+    with SwarmClient(llama_dir, config=config) as client:
+        client.wait_for_records(2)
+        assert torch.equal(client.loop.run(client.call_forward(again.peer_id, hidden, 4, 8)), trained)  # at once
+        stream = client.loop.run(client.peer_stream(again.peer_id))
+        reply, _ = client.loop.run(stream.call(TrainOpen(run_id="restart", start=4, end=8, optim=OPTIM.to_dict(),
+                                                         accumulation=2), None, 10))
+        assert reply.step == 2
+        assert torch.equal(client.loop.run(client.call_forward(again.peer_id, hidden, 4, 8)), trained)
