@@ -186,3 +186,34 @@ def test_training_is_identical_with_encryption_on_and_off_and_never_plaintext(op
             results[encrypt] = (losses, trainer.part.last_grad_norm, any(needle in m for m in wire))
     assert results[True][:2] == results[False][:2]  # losses and the grad-norm that came back through the peer
     assert results[True][2] is False and results[False][2] is True  # the control finds the plaintext
+
+
+def test_token_ids_and_logits_never_leave_the_client(open_peer, llama_dir, wire):
+    """Even with encryption off (so that the search can see everything), no outgoing message carries the
+    prompt's or the generated token ids, nor logits: only hidden states travel (found here as the control)."""
+    import msgpack
+
+    from peers.model.local import default_position_ids
+
+    swarm, _ = open_peer
+    prompt = torch.tensor([[201, 57, 133, 240, 17, 99, 3, 250]])
+    with _client(swarm, llama_dir, encrypt=False) as client:
+        wire.clear()
+        logits = client.forward(prompt)
+        generated = client.generate(prompt, 6)
+        with torch.no_grad():
+            embedded = client.embedding.embed(prompt, default_position_ids(prompt))
+    assert wire
+    ids = generated[0].tolist()
+    needles = {
+        "prompt ids (int64)": prompt.numpy().tobytes(),
+        "prompt ids (int32)": prompt.to(torch.int32).numpy().tobytes(),
+        "all ids (int64)": generated.numpy().tobytes(),
+        "new ids (int64)": torch.tensor(ids[-6:]).numpy().tobytes(),
+        "prompt ids (msgpack list)": msgpack.packb(prompt[0].tolist())[1:],
+        "logits (float32)": logits[0, -1, :8].numpy().tobytes(),
+        "logits of the first token": logits[0, 0, 100:108].numpy().tobytes(),
+    }
+    leaks = [name for name, needle in needles.items() if any(needle in message for message in wire)]
+    assert leaks == []
+    assert any(embedded.numpy().tobytes()[64:96] in message for message in wire)  # the search works
