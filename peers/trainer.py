@@ -38,7 +38,7 @@ from peers.model.local import default_position_ids
 from peers.protocol import RequestError, TrainApply, TrainBackward, TrainForward, TrainOpen
 from peers.training import OptimConfig, PartOptimizer, loss_of, unique_parameters
 from swarm.records import PeerRecord
-from swarm.stages import choose_stage_groups, spread
+from swarm.stages import NoPipelineError, choose_stage_groups, spread
 
 logger = logging.getLogger(__name__)
 
@@ -110,9 +110,7 @@ class SwarmTrainer:
 
     # ---- async -------------------------------------------------------------------------------------
     async def start_async(self) -> list[PeerRecord]:
-        banned = self.client.router.banned()
-        records = [r for r in await self.client._fetch() if r.peer_id not in banned]
-        groups = choose_stage_groups(records, self.client.model_config.num_layers)
+        groups = await self._stage_groups()
         self.replicas, self.assignment, self.shares = [], [], []
         for group in groups:  # a replica that would get no micro-batch of a step is left out of the run
             order = spread(self.accumulation, [r.throughput for r in group])
@@ -137,6 +135,20 @@ class SwarmTrainer:
             f"{g[0].start}:{g[0].end}@" + "+".join(f"...{r.peer_id[-6:]}" for r in g) for g in self.replicas),
             request_steps)
         return self.stages
+
+    async def _stage_groups(self, grace: float = 5.0) -> list[list[PeerRecord]]:
+        """The stages to use now; a snapshot that lacks some (a DHT node just died, a heartbeat is late) is
+        retried for ``grace`` seconds before ``NoPipelineError`` is raised."""
+        deadline = time.monotonic() + grace
+        while True:
+            banned = self.client.router.banned()
+            records = [r for r in await self.client._fetch() if r.peer_id not in banned]
+            try:
+                return choose_stage_groups(records, self.client.model_config.num_layers)
+            except NoPipelineError:
+                if time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(0.5)
 
     async def train_step_async(self, micro_batches: Sequence[torch.Tensor]) -> StepResult:
         """Run the step's micro-batches (retried on another pipeline if a stage peer fails), then commit it."""
