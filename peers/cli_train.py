@@ -168,33 +168,23 @@ def train_loop(trainer: SwarmTrainer, batches: TokenBatches, steps: int, *, cons
 
 def wait_for_pipeline(trainer: SwarmTrainer, timeout: float) -> None:
     """Wait until the online peers' spans tile the model, then open the run on every stage."""
-    from swarm.stages import NoPipelineError, choose_stages
+    from swarm.stages import NoPipelineError
 
-    client, deadline = trainer.client, time.monotonic() + timeout
-    n = client.model_config.num_layers
-    while True:
-        try:
-            records = client.records()
-            choose_stages(records, n)
-            break
-        except NoPipelineError as e:
-            if time.monotonic() > deadline:
-                half = n // 2
-                private = "" if records else (" No peer of this model is visible: check --initial_peers and, for "
-                                              "a private swarm, --private CREDENTIALS --identity_path ID.")
-                raise RuntimeError(
-                    f"no training pipeline after {timeout:.0f} s: {e}.{private} Start peers of "
-                    f"{client.model_name} whose --block_indices tile blocks 0:{n} (e.g. `swarm peer MODEL "
-                    f"--block_indices 0:{half}` and `--block_indices {half}:{n}`), then rerun") from None
-        except (TimeoutError, OSError) as e:
-            raise RuntimeError(f"cannot read the swarm's records ({e}); check --initial_peers and that the "
-                               "bootstrap peer is up") from e
-        time.sleep(1.0)
+    client, n = trainer.client, trainer.client.model_config.num_layers
     try:
-        trainer.start()
+        trainer.start(wait=timeout)
+    except NoPipelineError as e:
+        half = n // 2
+        private = "" if client.records() else (" No peer of this model is visible: check --initial_peers and, for "
+                                               "a private swarm, --private CREDENTIALS --identity_path ID.")
+        raise RuntimeError(
+            f"no training pipeline after {timeout:.0f} s: {e}.{private} Start peers of "
+            f"{client.model_name} whose --block_indices tile blocks 0:{n} (e.g. `swarm peer MODEL "
+            f"--block_indices 0:{half}` and `--block_indices {half}:{n}`), then rerun") from None
     except Exception as e:
         raise RuntimeError(f"opening run {trainer.run_id!r} on the stage peers failed ({type(e).__name__}: {e}); "
-                           "a busy or --no_train peer must be replaced by another peer of the same span") from e
+                           "check --initial_peers; a busy or --no_train peer must be replaced by another peer of "
+                           "the same span") from e
 
 
 def _resume(trainer: SwarmTrainer, path: Path, config: TrainConfig, batches: TokenBatches,

@@ -13,10 +13,11 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
 from peers.access import load_admission, load_identity
-from peers.aio import BackgroundLoop, deadline
+from peers.aio import BackgroundLoop
 from peers.config import DTYPES, ClientConfig, SwarmConfig
 from peers.generation import SamplingConfig, generate_stream
 from peers.model import ModelConfig, load_blocks, load_client_parts
+from peers.peer_links import PeerLinks
 from peers.peer_stream import PeerStream
 from peers.protocol import InfoRequest, RequestError, StageInfo, StageService
 from peers.session import InferenceSession
@@ -25,7 +26,7 @@ from privacy.peer_ids import public_key_of
 from swarm.discovery import fetch_records, start_node
 from swarm.keys import check_model_name
 from swarm.records import PeerRecord
-from swarm.revocations import sync_revocations
+from swarm.revocations import keep_revocations
 from swarm.routing import MissingBlocksError, Router
 
 logger = logging.getLogger(__name__)
@@ -81,8 +82,11 @@ class SwarmClient:
         except BaseException:
             self._loop.close()
             raise
-        self._streams: dict[str, PeerStream] = {}
-        self._stream_locks: dict[str, asyncio.Lock] = {}
+        # a private swarm: apply the owner's revocations and keep spreading them, like every member (no-op if public)
+        self._revocations = asyncio.run_coroutine_threadsafe(
+            keep_revocations(self.node, self.admission, period=config.refresh_period), self._loop.loop)
+        self._links = PeerLinks(self.node.p2p, self.admission, encrypt=config.encrypt,
+                                timeout=config.request_timeout)
         self.router = Router(
             self._fetch,
             model=self.model_name,
@@ -167,8 +171,8 @@ class SwarmClient:
     def close(self) -> None:
         if self._loop.loop.is_closed():
             return
-        for stream in list(self._streams.values()):
-            self._loop.loop.call_soon_threadsafe(stream.shutdown)
+        self._revocations.cancel()
+        self._loop.loop.call_soon_threadsafe(self._links.close)
         try:
             self._loop.run(self.node.shutdown(), timeout=15)
         except Exception as e:
@@ -217,17 +221,8 @@ class SwarmClient:
         return await stream.forward(start, end, hidden, timeout=self.config.request_timeout)
 
     async def peer_stream(self, peer_id: str) -> PeerStream:
-        """This client's inference stream to ``peer_id`` (opened on first use, replaced once it breaks)."""
-        lock = self._stream_locks.setdefault(peer_id, asyncio.Lock())
-        async with lock:
-            stream = self._streams.get(peer_id)
-            if stream is None or stream.closed:
-                async with deadline(self.config.request_timeout):
-                    stream = self._streams[peer_id] = await PeerStream.connect(
-                        self.node.p2p, peer_id, encrypt=self.config.encrypt, timeout=self.config.request_timeout,
-                        admission=self.admission,
-                    )
-            return stream
+        """This client's stream to ``peer_id`` (opened on first use, replaced once it breaks)."""
+        return await self._links.get(peer_id)
 
     async def _info(self, peer_id: str) -> StageInfo:
         stub = StageService.get_stub(self.node.p2p, PeerID.from_base58(peer_id))
@@ -238,10 +233,6 @@ class SwarmClient:
 
     async def _fetch(self) -> list[PeerRecord]:
         """The swarm as this client may use it: only peers it trusts (``allowed_peers`` / ``blocked_peers``)."""
-        verifier = getattr(self.admission, "verifier", None)
-        if verifier is not None:  # a private swarm: apply revocations before trusting records
-            await asyncio.wait_for(sync_revocations(self.node, verifier, self.admission.record_validator(),
-                                                    ttl=3 * self.config.refresh_period), self.config.swarm.dht_timeout)
         records = await asyncio.wait_for(fetch_records(self.node, self.model_name), self.config.swarm.dht_timeout)
         allowed, blocked = set(self.config.allowed_peers), set(self.config.blocked_peers)
         return [r for r in records if (not allowed or r.peer_id in allowed) and r.peer_id not in blocked]

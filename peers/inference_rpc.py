@@ -96,6 +96,9 @@ class InferenceRPC:
                 elif isinstance(request, ForwardRequest):
                     for response in await self._forward(request, requests, message, stream):
                         yield response
+                elif self.training is None and isinstance(request, TRAINING_KINDS):
+                    await self._skip_tensor(requests, message)
+                    yield reply(error="this peer does not train (it was started with --no_train)")
                 elif isinstance(request, TrainOpen):
                     yield self._train_open(request, stream)
                 elif isinstance(request, TrainApply):
@@ -171,8 +174,6 @@ class InferenceRPC:
                                     seal=stream.seal))
 
     def _train_open(self, request: TrainOpen, stream: _Stream) -> runtime_pb2.ExpertResponse:
-        if self.training is None:
-            return reply(error="this peer does not train (started without training support)")
         try:
             step = self.training.open(request, stream)
         except (RequestError, ValueError) as e:
@@ -182,8 +183,6 @@ class InferenceRPC:
 
     async def _train_apply(self, request: TrainApply, stream: _Stream) -> runtime_pb2.ExpertResponse:
         try:
-            if self.training is None:
-                raise RequestError("this peer does not train")
             step = await self.training.apply(request, stream)
         except (RequestError, ValueError) as e:
             return reply(error=str(e))
@@ -191,8 +190,6 @@ class InferenceRPC:
 
     def _params_fetch(self, request: ParamsFetch, stream: _Stream) -> list[runtime_pb2.ExpertResponse]:
         try:
-            if self.training is None:
-                raise RequestError("this peer does not train")
             flat = self.training.current_params(request)
         except RequestError as e:
             return [reply(error=str(e))]
@@ -206,8 +203,6 @@ class InferenceRPC:
         empty reply); a refusal applies nothing."""
         try:
             tensor = await self._read_tensor(requests, message, stream)
-            if self.training is None:
-                raise RequestError("this peer does not train")
             started = time.perf_counter()
             if isinstance(request, ParamsPush):
                 self.training.receive_params(request, tensor, sender)
@@ -222,7 +217,7 @@ class InferenceRPC:
                     self.check_hidden(tensor)
                 output = await self.training.backward(request, tensor, stream)
         except (RequestError, ValueError) as e:  # GradientError is a ValueError
-            if isinstance(request, TrainBackward) and self.training is not None:
+            if isinstance(request, TrainBackward):
                 self.training.drop(request, stream)  # a refused backward drops its micro-batch, applies nothing
             logger.info("%s(run=%r, %s) refused: %s", type(request).__name__, request.run_id,
                         getattr(request, "micro_id", getattr(request, "round", "")), e)
@@ -322,6 +317,9 @@ class InferenceRPC:
                 await read_tensor_messages(requests, self.info.max_request_bytes, first=message)
             except (RequestError, ValueError):
                 pass
+
+
+TRAINING_KINDS = (TrainOpen, TrainApply, TrainForward, TrainBackward, ParamsPush, ParamsFetch)
 
 
 class _Stream:

@@ -1,4 +1,7 @@
-"""``PeerLinks``: a node's open streams to other peers (one each, reopened once broken), for peer-to-peer calls."""
+"""``PeerLinks``: a node's open streams to other peers, one each, opened on first use and reopened once broken.
+
+Clients use it for every call to a stage; peers use it to reach their replicas (averaging, late joiners).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import asyncio
 
 from hivemind.p2p import P2P
 
+from peers.aio import deadline
 from peers.peer_stream import PeerStream
 from privacy.admission import Admission
 
@@ -22,9 +26,9 @@ class PeerLinks:
         async with self._locks.setdefault(peer_id, asyncio.Lock()):
             stream = self._streams.get(peer_id)
             if stream is None or stream.closed:
-                stream = self._streams[peer_id] = await asyncio.wait_for(
-                    PeerStream.connect(self.p2p, peer_id, encrypt=self.encrypt, timeout=self.timeout,
-                                       admission=self.admission), self.timeout)
+                async with deadline(self.timeout):
+                    stream = self._streams[peer_id] = await PeerStream.connect(
+                        self.p2p, peer_id, encrypt=self.encrypt, timeout=self.timeout, admission=self.admission)
             return stream
 
     def close(self) -> None:

@@ -95,9 +95,10 @@ class SwarmTrainer:
         self.bytes_sent = 0  # hidden-state bytes sent to stages (before encryption overhead)
 
     # ---- synchronous API -------------------------------------------------------------------------
-    def start(self) -> list[PeerRecord]:
-        """Choose the pipeline (peers whose spans tile the blocks) and open the run on every stage."""
-        return self.client.loop.run(self.start_async())
+    def start(self, wait: float = 5.0) -> list[PeerRecord]:
+        """Choose the pipeline (peers whose spans tile the blocks, waiting up to ``wait`` s for them) and open
+        the run on every stage; ``NoPipelineError`` if there is none by then."""
+        return self.client.loop.run(self.start_async(wait))
 
     def train_step(self, micro_batches: Sequence[torch.Tensor]) -> StepResult:
         """One optimizer step over ``accumulation`` micro-batches of token ids ``[b, T + 1]``."""
@@ -109,8 +110,8 @@ class SwarmTrainer:
             return loss_of(self.client.forward(input_ids), input_ids).item()
 
     # ---- async -------------------------------------------------------------------------------------
-    async def start_async(self) -> list[PeerRecord]:
-        groups = await self._stage_groups()
+    async def start_async(self, wait: float = 5.0) -> list[PeerRecord]:
+        groups = await self._stage_groups(wait)
         self.replicas, self.assignment, self.shares = [], [], []
         for group in groups:  # a replica that would get no micro-batch of a step is left out of the run
             order = spread(self.accumulation, [r.throughput for r in group])

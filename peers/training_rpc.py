@@ -64,6 +64,10 @@ class TrainingRPC:
             raise RequestError(f"this peer is training run {self.run_id!r} for another trainer; pick another peer")
         if not 1 <= request.accumulation <= 1 << 16 or request.checkpoint_every < 0:
             raise RequestError("accumulation must be in 1..65536 and checkpoint_every >= 0")
+        if not all(isinstance(p, str) for p in request.replicas):
+            raise RequestError("replicas must be peer ids (strings)")
+        if request.average_every and request.replicas and self.stream_for is None:
+            raise RequestError("this peer cannot reach other peers to average with its replicas")
         try:
             optim = OptimConfig.from_dict(request.optim)
         except (TypeError, ValueError) as e:
@@ -208,15 +212,11 @@ class TrainingRPC:
         return Path(self.checkpoint_dir) / safe_run / f"blocks-{self.info.start}-{self.info.end}"
 
     def _set_replicas(self, request: TrainOpen) -> None:
-        replicas = [p for p in request.replicas if isinstance(p, str) and p != self.info.peer_id]
-        if len(replicas) != len(request.replicas) - (self.info.peer_id in request.replicas):
-            raise RequestError("replicas must be peer ids (strings)")
+        replicas = [p for p in request.replicas if p != self.info.peer_id]
         self.average_every = request.average_every if replicas else 0
         if not self.average_every:
             self.averager = None
             return
-        if self.stream_for is None:
-            raise RequestError("this peer cannot reach other peers to average with its replicas")
         if self.averager is None or self.averager.replicas != sorted(replicas):
             self.averager = ReplicaAverager(self.info.peer_id, self.run_id, replicas, self.stream_for,
                                             outer_lr=request.outer_lr, outer_momentum=request.outer_momentum,

@@ -23,10 +23,9 @@ def stage_seconds(record: PeerRecord) -> float:
     return (record.end - record.start) / max(record.throughput, 1e-9)
 
 
-def choose_stages(records: Sequence[PeerRecord], num_blocks: int,
-                  exclude: frozenset[str] = frozenset()) -> list[PeerRecord]:
+def choose_stages(records: Sequence[PeerRecord], num_blocks: int) -> list[PeerRecord]:
     """Peers, in block order, whose spans tile ``[0, num_blocks)`` with the smallest bottleneck."""
-    online = [r for r in records if r.state == PeerState.ONLINE and r.peer_id not in exclude and r.end <= num_blocks]
+    online = [r for r in records if r.state == PeerState.ONLINE and r.end <= num_blocks]
     by_start: dict[int, list[PeerRecord]] = {}
     for record in online:
         by_start.setdefault(record.start, []).append(record)
