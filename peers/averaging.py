@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
+from peers.finite import all_finite
 from peers.protocol import ParamsPush
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class ReplicaAverager:
             raise ValueError(f"peer ...{sender[-6:]} is not a replica of this span in run {self.run_id!r}")
         if flat.ndim != 1 or flat.numel() != numel or not flat.is_floating_point():
             raise ValueError(f"parameters must be a flat float tensor of {numel} values, got {list(flat.shape)}")
-        if not bool(torch.isfinite(flat).all()):
+        if not all_finite([flat]):
             raise ValueError("parameters contain NaN or infinite values")
         if round_ < self.rounds:
             raise ValueError(f"round {round_} is over (this replica is at round {self.rounds})")

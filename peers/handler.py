@@ -11,6 +11,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
 from peers.backend import StageBackend
+from peers.finite import all_finite
 from peers.inference_rpc import InferenceRPC
 from peers.protocol import InfoRequest, RequestError, StageInfo, StageService
 from peers.sessions import SessionRegistry
@@ -73,7 +74,7 @@ class StageHandler(StageService):
             raise RequestError(f"batch of {hidden.shape[0]} is above this peer's limit of {max_rows}")
         if not 1 <= hidden.shape[1] <= info.max_seq_len:
             raise RequestError(f"sequence of {hidden.shape[1]} tokens; this model takes 1..{info.max_seq_len}")
-        if not torch.isfinite(hidden).all():
+        if not all_finite([hidden]):
             raise RequestError("hidden states contain NaN or infinite values")
 
 

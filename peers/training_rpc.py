@@ -17,6 +17,7 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from peers.averaging import ReplicaAverager, StreamFor
+from peers.finite import all_finite
 from peers.model.blocks import StageBlocks
 from peers.protocol import (
     ParamsFetch,
@@ -171,7 +172,7 @@ class TrainingRPC:
     def load_params(self, flat: torch.Tensor) -> None:
         """Replace our parameters with a replica's (checked); stale graphs are recomputed."""
         numel = self._numel()
-        if flat.ndim != 1 or flat.numel() != numel or not bool(torch.isfinite(flat).all()):
+        if flat.ndim != 1 or flat.numel() != numel or not all_finite([flat]):
             raise ValueError(f"a replica sent {list(flat.shape)} values; expected {numel} finite ones")
         with torch.no_grad():
             vector_to_parameters(flat.to(next(self.blocks.parameters()).dtype), list(self.blocks.parameters()))

@@ -54,11 +54,11 @@ class PartOptimizer:
                 parts = [grads[i] for grads in grad_lists if grads[i] is not None]
                 if not parts:
                     continue
-                total = parts[0].detach().clone() if len(parts) == 1 else parts[0] + parts[1]
+                total = parts[0].detach() if len(parts) == 1 else parts[0] + parts[1]
                 for extra in parts[2:]:
                     total = total + extra
                 if p.grad is None:
-                    p.grad = total
+                    p.grad = total.clone() if len(parts) == 1 else total  # never alias the caller's tensor
                 else:
                     p.grad.add_(total)
 

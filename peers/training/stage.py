@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from peers.finite import all_finite
 from peers.model.blocks import StageBlocks
 
 from .config import OptimConfig
@@ -40,10 +41,6 @@ class _Saved:
     leaf: torch.Tensor | None = None  # input leaf of the saved graph
     output: torch.Tensor | None = None  # output with graph, when activations are kept
     version: int = -1  # weight version the graph was built with
-
-
-def _all_finite(tensors: list[torch.Tensor | None]) -> bool:
-    return all(t is None or bool(torch.isfinite(t).all()) for t in tensors)
 
 
 class StageTrainer:
@@ -136,7 +133,7 @@ class StageTrainer:
                 leaf, out = self._run(saved.hidden, saved.position_ids)
             params = self.part.params
             grads = torch.autograd.grad(out, [leaf, *params], grad_output, allow_unused=True)
-            if not _all_finite(list(grads)):
+            if not all_finite(grads):
                 raise GradientError(f"micro-batch {micro_id!r} produced non-finite gradients; it was dropped and "
                                     "nothing was applied (check the loss scale and the incoming gradient)")
             self.part.add(grads[1:])
@@ -151,7 +148,7 @@ class StageTrainer:
         if grad.shape != hidden.shape or grad.dtype != hidden.dtype:
             raise GradientError(f"gradient for {micro_id!r} has shape {tuple(grad.shape)} and dtype {grad.dtype}; "
                                 f"this stage's output is {tuple(hidden.shape)} {hidden.dtype}")
-        if not bool(torch.isfinite(grad).all()):
+        if not all_finite([grad]):
             raise GradientError(f"gradient for {micro_id!r} contains NaN or inf; the micro-batch was dropped")
 
     def _optimizer_step(self) -> None:
