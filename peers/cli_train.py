@@ -233,7 +233,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         trainer = SwarmTrainer(client, config.optim, config.accumulation, in_flight=config.in_flight, run_id=run_id,
                                keep_activations=config.keep_activations, checkpoint_every=config.checkpoint_every,
                                average_every=config.average_every, outer_lr=config.outer_lr,
-                               outer_momentum=config.outer_momentum)
+                               outer_momentum=config.outer_momentum, rechoose_every=config.rechoose_every)
         path = trainer_checkpoint_path(config.checkpoint_dir, run_id) if config.checkpoint_dir else None
         resumed = path is not None and _resume(trainer, path, config, batches, console)
         extra = {**{k: getattr(config, k) for k in GEOMETRY}, "model": client.model_name,

@@ -142,6 +142,7 @@ class TrainOpen(Message):
     outer_lr: float = 1.0  # DiLoCo outer step: Nesterov SGD on (anchor - average); lr 1, momentum 0 = plain mean
     outer_momentum: float = 0.0
     explicit_apply: bool = False  # step only on TrainApply (two-phase), not after `accumulation` backwards
+    run_step: int = 0  # the run's optimizer steps so far: a replica that joins mid-run starts counting there
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,10 @@ Weight staleness is zero: a step's micro-batches all see the same weights, becau
 only on ``train_apply`` and the next step starts after it. The price is a pipeline fill and drain per step
 (with S stages and M micro-batches the bubble is about (S-1)/(M+S-1)); more micro-batches per step shrink it.
 Between averaging rounds, replicas of a stage drift apart (by design, as in DiLoCo); that is not staleness.
+
+Peers join and leave mid-run: one that dies costs a retry of the step (above); one that starts serving a span
+of the pipeline is found within ``rechoose_every`` seconds and joins as another replica of that span at the
+next step (the pipeline's tiling itself changes only after a failure).
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ class SwarmTrainer:
     def __init__(self, client: SwarmClient, optim: OptimConfig, accumulation: int, *, in_flight: int = 4,
                  run_id: str | None = None, keep_activations: bool = True, recompute: bool = False,
                  checkpoint_every: int = 0, average_every: int = 0, outer_lr: float = 1.0,
-                 outer_momentum: float = 0.0) -> None:
+                 outer_momentum: float = 0.0, rechoose_every: float = 30.0) -> None:
         if accumulation < 1 or in_flight < 1:
             raise ValueError("accumulation and in_flight must be >= 1")
         if client.local_blocks is not None:
@@ -84,6 +88,10 @@ class SwarmTrainer:
         self.checkpoint_every = checkpoint_every
         self.average_every = average_every  # replicas of a stage average their parameters every H local steps
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum  # DiLoCo outer Nesterov SGD (1, 0: mean)
+        self.rechoose_every = rechoose_every  # seconds between looks for replicas that joined (0: never)
+        self._chosen_at = 0.0
+        self._considered: set[str] = set()  # peers the last choice saw (used or left out)
+        self.run_step = 0  # the run's optimizer steps: the most any stage reported
         self.replicas: list[list[PeerRecord]] = []  # per stage: the peers serving its span in this run
         self.assignment: list[list[int]] = []  # per stage: which replica takes micro-batch i of a step
         self.shares: list[list[int]] = []  # per stage: micro-batches per step of each replica
@@ -110,8 +118,11 @@ class SwarmTrainer:
             return loss_of(self.client.forward(input_ids), input_ids).item()
 
     # ---- async -------------------------------------------------------------------------------------
-    async def start_async(self, wait: float = 5.0) -> list[PeerRecord]:
-        groups = await self._stage_groups(wait)
+    async def start_async(self, wait: float = 5.0, groups: list[list[PeerRecord]] | None = None
+                          ) -> list[PeerRecord]:
+        groups = groups or await self._stage_groups(wait)
+        self._chosen_at, self._considered = time.monotonic(), {r.peer_id for group in groups for r in group}
+        run_step = max(self.run_step, self.steps_done)
         self.replicas, self.assignment, self.shares = [], [], []
         for group in groups:  # a replica that would get no micro-batch of a step is left out of the run
             order = spread(self.accumulation, [r.throughput for r in group])
@@ -124,18 +135,47 @@ class SwarmTrainer:
         for group, shares in zip(self.replicas, self.shares, strict=True):
             peer_ids = [r.peer_id for r in group]
             for record, share in zip(group, shares, strict=True):
-                stream = await self.client.peer_stream(record.peer_id)
-                reply, _ = await stream.call(TrainOpen(
+                reply, _ = await self._call(record.peer_id, TrainOpen(
                     run_id=self.run_id, start=record.start, end=record.end, optim=self.optim.to_dict(),
                     accumulation=share, keep_activations=self.keep_activations,
                     checkpoint_every=self.checkpoint_every, replicas=peer_ids, average_every=self.average_every,
                     outer_lr=self.outer_lr, outer_momentum=self.outer_momentum, explicit_apply=True,
-                ), None, self.client.config.request_timeout)
+                    run_step=run_step,
+                ), None)
                 request_steps.append(reply.step)
+        self.run_step = max(run_step, *request_steps)
         logger.info("Run %s: stages %s (their steps: %s)", self.run_id, " -> ".join(
             f"{g[0].start}:{g[0].end}@" + "+".join(f"...{r.peer_id[-6:]}" for r in g) for g in self.replicas),
             request_steps)
         return self.stages
+
+    async def _adopt_joiners(self) -> None:
+        """Add peers that started serving a span of the pipeline since it was chosen, as more replicas of it.
+
+        Only replicas of the spans in use join: switching to another tiling mid-run would hand blocks to peers
+        that never trained them. A joiner fetched its span's parameters from a replica when it started, starts
+        its step count at the run's (``TrainOpen.run_step``) and is averaged with the others every H steps.
+        """
+        self._chosen_at = time.monotonic()
+        banned = self.client.router.banned()
+        spans = {(group[0].start, group[0].end): i for i, group in enumerate(self.replicas)}
+        joiners = [r for r in await self.client._fetch() if (r.start, r.end) in spans and r.peer_id not in banned
+                   and r.peer_id not in self._considered]
+        if not joiners:
+            return
+        groups = [list(group) for group in self.replicas]
+        for record in joiners:
+            groups[spans[(record.start, record.end)]].append(record)
+        logger.info("Run %s: %s joined; re-opening the run with them at step %d", self.run_id, ", ".join(
+            f"...{r.peer_id[-6:]} ({r.start}:{r.end})" for r in joiners), max(self.run_step, self.steps_done))
+        considered, current = self._considered, [list(group) for group in self.replicas]
+        try:  # a joiner that breaks its stream raises StageFailure: the step's retry re-chooses without it
+            await self.start_async(groups=groups)
+        except RequestError as e:  # e.g. it trains another trainer's run
+            logger.warning("Run %s: a joining peer refused the run (%s); carrying on without the joiners",
+                           self.run_id, e)
+            await self.start_async(groups=current)
+        self._considered |= considered | {r.peer_id for r in joiners}  # not joiners again (nor slow left-outs)
 
     async def _stage_groups(self, grace: float = 5.0) -> list[list[PeerRecord]]:
         """The stages to use now; a snapshot that lacks some (a DHT node just died, a heartbeat is late) is
@@ -153,15 +193,17 @@ class SwarmTrainer:
 
     async def train_step_async(self, micro_batches: Sequence[torch.Tensor]) -> StepResult:
         """Run the step's micro-batches (retried on another pipeline if a stage peer fails), then commit it."""
-        if not self.stages:
-            await self.start_async()
         if len(micro_batches) != self.accumulation:
             raise ValueError(f"a step takes {self.accumulation} micro-batches (accumulation), got {len(micro_batches)}")
         started, failures = time.perf_counter(), 0
         while True:
-            stage_steps: list[int] = [0] * len(self.replicas)
-            stage_busy: list[float] = [0.0] * len(self.replicas)
             try:
+                if not self.stages:
+                    await self.start_async()
+                elif self.rechoose_every and time.monotonic() - self._chosen_at >= self.rechoose_every:
+                    await self._adopt_joiners()
+                stage_steps: list[int] = [0] * len(self.replicas)
+                stage_busy: list[float] = [0.0] * len(self.replicas)
                 losses = await self._run_micro_batches(micro_batches, stage_steps, stage_busy)
                 break
             except StageFailure as failure:
@@ -174,7 +216,7 @@ class SwarmTrainer:
                 logger.warning("Run %s: %s; re-choosing the stages and retrying step %d", self.run_id, failure,
                                self.steps_done)
                 await asyncio.sleep(min(0.2 * 2**failures, 2.0))
-                await self.start_async()  # re-opening the run discards every stage's partial step
+                self.stages = []  # choose again; re-opening the run discards every stage's partial step
         await self._commit(stage_steps)
         self.part.step()
         self.steps_done += 1
@@ -214,6 +256,7 @@ class SwarmTrainer:
                 self.stages = []  # choose the stages again before the next step
             else:
                 stage_steps[stage] = max(stage_steps[stage], result[0].step)
+                self.run_step = max(self.run_step, result[0].step)
 
     async def _call(self, peer_id: str, message, tensor: torch.Tensor | None):
         """One request to a stage; a broken stream or a timeout becomes ``StageFailure`` (retried elsewhere)."""

@@ -63,8 +63,8 @@ class TrainingRPC:
                                f"{self.info.end}, not {request.start}:{request.end}")
         if self.owner is not None and self.owner is not stream and self.run_id != request.run_id:
             raise RequestError(f"this peer is training run {self.run_id!r} for another trainer; pick another peer")
-        if not 1 <= request.accumulation <= 1 << 16 or request.checkpoint_every < 0:
-            raise RequestError("accumulation must be in 1..65536 and checkpoint_every >= 0")
+        if not 1 <= request.accumulation <= 1 << 16 or request.checkpoint_every < 0 or request.run_step < 0:
+            raise RequestError("accumulation must be in 1..65536, checkpoint_every and run_step >= 0")
         if not all(isinstance(p, str) for p in request.replicas):
             raise RequestError("replicas must be peer ids (strings)")
         if request.average_every and request.replicas and self.stream_for is None:
@@ -83,6 +83,10 @@ class TrainingRPC:
                 self.trainer.load(path)
                 logger.info("Run %r: resumed blocks %d:%d from %s at step %d", self.run_id, self.info.start,
                             self.info.end, path, self.trainer.step)
+            elif request.run_step > 0:  # joining a run under way: same lr schedule and averaging rounds as the rest
+                self.trainer.part.step_count = request.run_step
+                logger.info("Run %r: joined at step %d with fresh AdamW state (weights as served now)", self.run_id,
+                            request.run_step)
         else:
             self.trainer.reset_accumulation()  # a re-opened run starts its step afresh
             self.trainer.accumulation, self.trainer.auto_step = request.accumulation, not request.explicit_apply

@@ -124,7 +124,7 @@ class OptimConfig:
 _TRAIN_TYPES = {
     "model_dir": "path", "model_name": "str?", "data": "path?", "seq_len": "int", "batch_size": "int",
     "micro_batch": "int", "steps": "int", "in_flight": "int", "average_every": "int", "outer_lr": "float",
-    "outer_momentum": "float",
+    "outer_momentum": "float", "rechoose_every": "float",
     "checkpoint_dir": "path?", "checkpoint_every": "int", "seed": "int", "keep_activations": "bool",
 }
 _PATH_KEYS = ("model_dir", "data", "checkpoint_dir")
@@ -150,6 +150,7 @@ class TrainConfig:
     average_every: int = 0
     outer_lr: float = 1.0  # replicas' outer step (DiLoCo: Nesterov SGD on anchor - mean); 1 and 0: plain mean
     outer_momentum: float = 0.0
+    rechoose_every: float = 30.0  # seconds between looks for peers that joined a span of the pipeline (0: never)
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0
     seed: int = 0
@@ -165,6 +166,8 @@ class TrainConfig:
                     for k in ("seq_len", "batch_size", "micro_batch", "steps", "in_flight") if getattr(self, k) < 1]
         problems += [f"{k} must be >= 0, got {getattr(self, k)}"
                      for k in ("average_every", "checkpoint_every", "seed") if getattr(self, k) < 0]
+        if self.rechoose_every < 0:
+            problems.append(f"rechoose_every must be >= 0 seconds, got {self.rechoose_every}")
         if not 0 < self.outer_lr <= 2 or not 0 <= self.outer_momentum < 1:
             problems.append(f"outer_lr must be in (0, 2] and outer_momentum in [0, 1), got {self.outer_lr} and "
                             f"{self.outer_momentum}")

@@ -1,4 +1,5 @@
-"""Replicas of a stage share its micro-batches, average their parameters every H steps, and a late one catches up."""
+"""Replicas of a stage share its micro-batches, average their parameters every H steps, and a late one catches up
+and joins the running training run."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from peers.client import SwarmClient
 from peers.config import ClientConfig, SwarmConfig
 from peers.trainer import SwarmTrainer
 from peers.training import OptimConfig, TokenBatches, encode_bytes
+from peers.training.state import read_state_info
 
 TEXT = "Replicas of one stage train on different micro-batches and then agree. " * 40
 
@@ -21,7 +23,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_replicas_average_and_a_late_replica_catches_up(fresh_swarm, llama_dir):
+def test_replicas_average_and_a_late_replica_catches_up_and_joins(fresh_swarm, llama_dir):
     swarm = fresh_swarm
     ckpt = {name: ["--checkpoint_dir", str(swarm.workdir / f"ckpt-{name}")] for name in ("a", "b", "c")}
     first = swarm.start_peer(llama_dir, block_indices="0:4", wait=False, name="first")
@@ -34,7 +36,7 @@ def test_replicas_average_and_a_late_replica_catches_up(fresh_swarm, llama_dir):
     with SwarmClient(llama_dir, config=config) as client:
         client.wait_for_records(3)
         trainer = SwarmTrainer(client, OptimConfig(lr=5e-3), 4, in_flight=4, run_id=run_id, checkpoint_every=1,
-                               average_every=2)
+                               average_every=2, rechoose_every=0.1)
         trainer.start()
         assert [len(group) for group in trainer.replicas] == [1, 2] and trainer.shares[1] == [2, 2]
         data = TokenBatches(encode_bytes(TEXT), seq_len=16, micro_batch=2, seed=0)
@@ -52,3 +54,15 @@ def test_replicas_average_and_a_late_replica_catches_up(fresh_swarm, llama_dir):
         hidden = torch.randn(1, 5, 64)
         outputs = [client.loop.run(client.call_forward(p.peer_id, hidden, 4, 8)) for p in (a, b, late)]
         assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+
+        # the running trainer finds the joiner at its next step; it starts counting at the run's step 4, so the
+        # three replicas' averaging rounds line up: after step 6 all three hold the same weights
+        client.wait_for_records(4)
+        result = trainer.train_step([data.next_micro() for _ in range(4)])
+        assert [len(group) for group in trainer.replicas] == [1, 3], "the late replica should have joined the run"
+        assert late.peer_id in [r.peer_id for r in trainer.replicas[1]] and sum(trainer.shares[1]) == 4
+        assert result.stage_steps == [5, 5] and "joined at step 4" in late.log()
+        assert read_state_info(swarm.workdir / "ckpt-c" / run_id / "blocks-4-8")["step"] == 5
+        trainer.train_step([data.next_micro() for _ in range(4)])
+        weights = [_weights(swarm.workdir, name, run_id) for name in ("a", "b", "c")]
+        assert _same(weights[0], weights[1]) and _same(weights[0], weights[2]), "an averaging round should include it"

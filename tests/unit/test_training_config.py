@@ -80,6 +80,7 @@ checkpoint_every = 5
 batch_size = 12
 micro_batch = 3
 keep_activations = false
+rechoose_every = 5
 
 [optim]
 lr = 3e-4
@@ -92,6 +93,7 @@ total_steps = 100
     assert cfg.checkpoint_dir == (tmp_path / "conf" / "ckpt").resolve()
     assert cfg.data == Path("/abs/text.txt")
     assert cfg.accumulation == 4 and cfg.keep_activations is False and cfg.seq_len == 64
+    assert cfg.rechoose_every == 5.0
     assert cfg.optim == OptimConfig(lr=3e-4, betas=(0.9, 0.99), schedule="linear", total_steps=100)
 
 
@@ -102,6 +104,7 @@ total_steps = 100
     ('model_dir = "m"\nbatch_size = 10\nmicro_batch = 4\n', "must be a multiple of micro_batch"),
     ('model_dir = "m"\nseq_len = "64"\n', "seq_len must be an integer"),
     ('model_dir = "m"\nsteps = 0\n', "steps must be >= 1"),
+    ('model_dir = "m"\nrechoose_every = -1\n', "rechoose_every must be >= 0"),
     ('model_dir = "m"\ncheckpoint_every = 3\n', "checkpoint_dir is not"),
     ('model_dir = "m"\noptim = 3\n', "optim must be a table"),
     ('model_dir = \n', "not valid TOML"),
