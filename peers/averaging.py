@@ -6,7 +6,7 @@ Every ``average_every`` local steps it sends its flat parameters to the run's ot
 private as its activations), waits for theirs, and takes the mean in peer-id order, so replicas that got
 the same set compute bit-identical results. The outer optimizer is Nesterov SGD on ``anchor - mean``
 (``outer_lr=1, outer_momentum=0`` is plain averaging); a replica that does not answer in time is left out
-of that round and the others go on.
+of that round and the others go on, and one that our push cannot reach (its peer is gone) is not waited for.
 """
 
 from __future__ import annotations
@@ -60,10 +60,17 @@ class ReplicaAverager:
         round_ = self.rounds
         if self._anchor is None:
             self._anchor = flat.detach().to(torch.float32).clone()
-        pushes = [asyncio.ensure_future(self._push(peer, round_, flat)) for peer in self.replicas]
+        unreachable: set[str] = set()  # replicas our push could not reach: gone, so not waited for
+
+        async def push(peer: str) -> None:
+            if not await self._push(peer, round_, flat):
+                unreachable.add(peer)
+                self._event(round_).set()
+
+        pushes = [asyncio.ensure_future(push(peer)) for peer in self.replicas]
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
-        while len(self._inbox.get(round_, {})) < len(self.replicas) and loop.time() < deadline:
+        while len(self._inbox.get(round_, {}).keys() | unreachable) < len(self.replicas) and loop.time() < deadline:
             event = self._event(round_)
             event.clear()
             try:
@@ -80,8 +87,10 @@ class ReplicaAverager:
         mean = total / len(members)
         missing = sorted(set(self.replicas) - set(received))
         if missing:
-            logger.warning("Run %r round %d: no parameters from %s within %.0f s; averaged %d replica(s)",
-                           self.run_id, round_, ", ".join(f"...{p[-6:]}" for p in missing), self.timeout, len(members))
+            logger.warning("Run %r round %d: no parameters from %s (%s); averaged %d replica(s)", self.run_id, round_,
+                           ", ".join(f"...{p[-6:]}" for p in missing),
+                           "unreachable" if set(missing) <= unreachable else f"none within {self.timeout:.0f} s",
+                           len(members))
         new = self._outer_step(mean)
         self.rounds, self.last_group = round_ + 1, len(members)
         logger.info("Run %r: averaging round %d over %d replica(s)", self.run_id, round_, len(members))
@@ -99,12 +108,15 @@ class ReplicaAverager:
         self._anchor = self._anchor - self.outer_lr * delta
         return self._anchor.clone()
 
-    async def _push(self, peer: str, round_: int, flat: torch.Tensor) -> None:
+    async def _push(self, peer: str, round_: int, flat: torch.Tensor) -> bool:
+        """Send our parameters to ``peer``; False if it could not be reached or refused them."""
         try:
             stream = await self.stream_for(peer)
             await stream.call(ParamsPush(run_id=self.run_id, round=round_), flat, self.timeout)
+            return True
         except Exception as e:
             logger.warning("Run %r round %d: could not send parameters to ...%s: %s", self.run_id, round_, peer[-6:], e)
+            return False
 
     def _event(self, round_: int) -> asyncio.Event:
         return self._arrived.setdefault(round_, asyncio.Event())

@@ -73,6 +73,44 @@ async def _never():
     raise ConnectionError("unreachable")
 
 
+class _Silent:
+    """A stream whose peer never answers (its push times out)."""
+
+    async def call(self, message, tensor, timeout):
+        await asyncio.sleep(timeout)
+        raise TimeoutError("no reply")
+
+
+def test_an_unreachable_replica_is_not_waited_for():
+    """A replica whose stream cannot be opened is dead: the round goes on at once, not after the timeout."""
+    c = "12D3KooWCCCCCCCC"
+    averagers: dict[str, ReplicaAverager] = {}
+
+    def stream_for(sender: str):
+        async def get(peer: str):
+            if peer == c:
+                raise ConnectionError("peer is gone")
+            return _Direct(sender, averagers[peer], 2)
+        return get
+
+    averagers[A] = ReplicaAverager(A, "run", [B, c], stream_for(A), timeout=600)
+    averagers[B] = ReplicaAverager(B, "run", [A, c], stream_for(B), timeout=600)
+    x, y = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])
+
+    async def round_():  # a wait for the 600 s timeout would fail here
+        return await asyncio.wait_for(asyncio.gather(averagers[A].average(x), averagers[B].average(y)), 60)
+
+    new_a, new_b = asyncio.run(round_())
+    assert torch.equal(new_a, new_b) and torch.equal(new_a, (x + y) / 2) and averagers[A].last_group == 2
+
+    silent = ReplicaAverager(A, "run", [B], lambda peer: _stream(_Silent()), timeout=0.3)  # reachable, mute
+    assert torch.equal(asyncio.run(silent.average(x)), x) and silent.last_group == 1
+
+
+async def _stream(stream):
+    return stream
+
+
 @pytest.mark.parametrize("sender, flat, message", [
     ("12D3KooWstranger", torch.zeros(2), "not a replica"),
     (B, torch.zeros(3), "flat float tensor of 2"),
