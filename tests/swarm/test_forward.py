@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from peers.client import SwarmClient
+from peers.config import ClientConfig, SwarmConfig
 from peers.launch import LocalSwarm
 from peers.model import LocalModel
 
@@ -55,3 +56,21 @@ def test_gpt2_logits_match_local_model(gpt2_dir, tmp_path):
             logits = client.forward(input_ids)
     expected = _reference(gpt2_dir, input_ids)
     assert (logits - expected).abs().max().item() < 1e-4
+
+
+def test_bfloat16_peers_and_client_match_the_local_model(llama_dir, tmp_path):
+    """A bf16 swarm: hidden states travel as bf16 (2 bytes a value) and the logits match bf16 in one process."""
+    with LocalSwarm(tmp_path, update_period=2.0) as swarm:
+        swarm.start_dht()
+        procs = [swarm.start_peer(llama_dir, block_indices=s, wait=False, extra=["--torch_dtype", "bfloat16"])
+                 for s in ("0:4", "4:8")]
+        for proc in procs:
+            swarm.wait_ready(proc)
+        config = ClientConfig(swarm=SwarmConfig(initial_peers=tuple(swarm.initial_peers)), torch_dtype="bfloat16")
+        with SwarmClient(llama_dir, config=config) as client:
+            assert {r.dtype for r in client.wait_for_records(2)} == {"bfloat16"}
+            input_ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+            logits = client.forward(input_ids)
+    expected, _ = LocalModel.from_dir(llama_dir, dtype=torch.bfloat16)(input_ids)
+    assert logits.dtype == torch.bfloat16 and logits.shape == expected.shape
+    assert torch.equal(logits, expected)

@@ -8,8 +8,7 @@ import math
 import msgpack
 import pytest
 import torch
-from hivemind.compression import serialize_torch_tensor
-from hivemind.compression.base import USE_LEGACY_BFLOAT16
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
 from peers.protocol import (
@@ -147,9 +146,8 @@ SHAPES = [
 
 
 def _nbytes(shape, dtype) -> int:
-    """Bytes on the wire: hivemind's default (legacy) mode sends bfloat16 as float32."""
-    itemsize = 4 if dtype == torch.bfloat16 and USE_LEGACY_BFLOAT16 else torch.empty((), dtype=dtype).element_size()
-    return math.prod(shape) * itemsize
+    """Bytes on the wire: every dtype its own size (bfloat16 too, unlike hivemind's default mode)."""
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -296,6 +294,14 @@ def test_decode_refuses_altered_size():
     serialized.size.extend([4, 9])
     with pytest.raises(RequestError, match=r"shape \(4, 9\) does not match its 128 bytes"):
         decode_tensor(serialized)
+
+
+def test_bfloat16_travels_in_two_bytes_and_hivemind_reads_it():
+    values = torch.randn(3, 5).to(torch.bfloat16)
+    (message,) = tensor_messages(values, b"m")
+    assert len(message.tensors[0].buffer) == 2 * 15 and message.tensors[0].dtype == "bfloat16"
+    assert torch.equal(deserialize_torch_tensor(message.tensors[0]), values)  # hivemind's own reader
+    assert torch.equal(decode_tensor(message.tensors[0]), values)
 
 
 def test_decode_accepts_legacy_bfloat16_as_fp32():
