@@ -22,7 +22,8 @@ In data-flow order:
 - ``generation.py``: sampling and the token loop; ``textgen.py``: text in, text out.
 - ``client.py``: ``SwarmClient``: embeddings and head locally, blocks through the swarm.
 - ``trainer.py``: ``SwarmTrainer``: remote autodiff through the stages, K micro-batches in flight, retries;
-  ``trainer_state.py``: the trainer's own checkpoints.
+  ``trainer_state.py``: the trainer's own checkpoints; ``train_loop.py``: the progress-bar loop of ``swarm train``.
+- ``finite.py``: a cheap exact NaN/inf check for gradients and hidden states.
 - ``status.py``: the swarm status table.
 - ``launch.py``: start/stop real peer processes (demo, tests, benchmarks).
 - ``demo.py``: ``swarm demo``, a whole local swarm with no arguments.

@@ -95,7 +95,8 @@ def run_demo(workdir: Path) -> int:
 
 def _train(console: Console, client, checkpoints: Path):
     """Train ``TRAIN_STEPS`` steps through the peers on the built-in corpus; return the trained local model."""
-    from peers.cli_train import token_ids, train_loop, wait_for_pipeline
+    from peers.cli_train import token_ids, wait_for_pipeline
+    from peers.train_loop import train_loop
     from peers.trainer import SwarmTrainer
     from peers.training import OptimConfig, TokenBatches, read_corpus
 
