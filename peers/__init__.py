@@ -28,7 +28,8 @@ In data-flow order:
 - ``launch.py``: start/stop real peer processes (demo, tests, benchmarks).
 - ``demo.py``: ``swarm demo``, a whole local swarm with no arguments.
 - ``cli.py``: the ``swarm`` command; maps flags onto the config dataclasses, nothing more; ``cli_membership.py``
-  (keygen, identity, invite, revoke) and ``cli_train.py`` (train) are its subcommand groups.
+  (keygen, identity, invite, revoke), ``cli_model.py`` (new-model) and ``cli_train.py`` (train) are its
+  subcommand groups.
 """
 
 __version__ = "0.1.0"

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from peers.cli_membership import add_membership_commands
+from peers.cli_model import add_model_command
 from peers.cli_train import add_train_command
 from peers.config import DEFAULT_CACHE_DIR, LOCAL_HOST_MADDRS, StageServerConfig, SwarmConfig, parse_block_indices
 
@@ -97,6 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     add_membership_commands(sub)
+    add_model_command(sub)
     add_train_command(sub)
 
     demo = sub.add_parser("demo", help="a whole swarm on this machine: bootstrap, 3 peers, a client")
