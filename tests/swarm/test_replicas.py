@@ -66,3 +66,35 @@ def test_replicas_average_and_a_late_replica_catches_up_and_joins(fresh_swarm, l
         trainer.train_step([data.next_micro() for _ in range(4)])
         weights = [_weights(swarm.workdir, name, run_id) for name in ("a", "b", "c")]
         assert _same(weights[0], weights[1]) and _same(weights[0], weights[2]), "an averaging round should include it"
+
+
+def test_a_joiner_busy_with_another_trainer_is_skipped_and_both_runs_go_on(fresh_swarm, llama_dir, caplog):
+    """Peers that start serving the pipeline's spans but train another trainer's run refuse to join: the first
+    trainer carries on with its own stages, and the other run is not disturbed."""
+    swarm = fresh_swarm
+    first = [swarm.start_peer(llama_dir, block_indices=s, wait=False, name=f"one-{s}") for s in ("0:4", "4:8")]
+    for proc in first:
+        swarm.wait_ready(proc)
+    data = TokenBatches(encode_bytes(TEXT), seq_len=16, micro_batch=2, seed=0)
+    peers = tuple(swarm.initial_peers)
+    with SwarmClient(llama_dir, config=ClientConfig(swarm=SwarmConfig(initial_peers=peers))) as client:
+        client.wait_for_records(2)
+        trainer = SwarmTrainer(client, OptimConfig(lr=5e-3), 2, run_id="one", rechoose_every=0.1)
+        assert trainer.train_step([data.next_micro() for _ in range(2)]).stage_steps == [1, 1]
+
+        second = [swarm.start_peer(llama_dir, block_indices=s, wait=False, name=f"two-{s}") for s in ("0:4", "4:8")]
+        for proc in second:
+            swarm.wait_ready(proc)
+        other = ClientConfig(swarm=SwarmConfig(initial_peers=peers), allowed_peers=tuple(p.peer_id for p in second))
+        with SwarmClient(llama_dir, config=other) as other_client:
+            other_client.wait_for_records(2)
+            other_trainer = SwarmTrainer(other_client, OptimConfig(lr=5e-3), 2, run_id="two")
+            assert other_trainer.train_step([data.next_micro() for _ in range(2)]).stage_steps == [1, 1]
+
+            client.wait_for_records(4)
+            for step in (2, 3):  # the joiners refuse (another trainer's run): the first run keeps its stages
+                result = trainer.train_step([data.next_micro() for _ in range(2)])
+                assert result.stage_steps == [step, step]
+                assert [[r.peer_id for r in group] for group in trainer.replicas] == [[p.peer_id] for p in first]
+            assert caplog.text.count("a joining peer refused the run") == 1  # tried once, then not again
+            assert other_trainer.train_step([data.next_micro() for _ in range(2)]).stage_steps == [2, 2]
