@@ -114,7 +114,8 @@ class StageServer:
             if backend is not None:
                 await backend.shutdown()
             if handler is not None and handler.training is not None:
-                handler.training.shutdown()
+                handler.training.shutdown()  # finishes the running computation first
+                handler.training.save_unsaved()
             if links is not None:
                 links.close()
             await _quietly(self.node.shutdown(), "stop the DHT node")

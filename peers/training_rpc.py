@@ -74,6 +74,7 @@ class TrainingRPC:
         except (TypeError, ValueError) as e:
             raise RequestError(f"bad optimizer config: {e}") from None
         if self.trainer is None or self.run_id != request.run_id:
+            self.save_unsaved(f"before switching to run {request.run_id!r}")
             self.trainer = StageTrainer(self.blocks, optim, request.accumulation,
                                         keep_activations=request.keep_activations, max_pending=MAX_PENDING,
                                         auto_step=not request.explicit_apply)
@@ -196,6 +197,27 @@ class TrainingRPC:
                             self.trainer.micro_count)
             self.trainer.reset_accumulation()
             self.owner = None
+
+    def save_unsaved(self, why: str = "before leaving") -> Path | None:
+        """Checkpoint the run's last applied step unless it is saved already: before the peer leaves, or before it
+        switches to another run, so no step it trained is lost (a partial step's gradients are not kept)."""
+        if self.trainer is None or self.trainer.step == 0:
+            return None
+        path = self._checkpoint_path()
+        if path is None:
+            logger.warning("Run %r: %d trained step(s) of blocks %d:%d are not saved (no --checkpoint_dir); they "
+                           "live on only in replicas, if any", self.run_id, self.trainer.step, self.info.start,
+                           self.info.end)
+            return None
+        try:
+            if (path / "state.json").is_file() and read_state_info(path).get("step") == self.trainer.step:
+                return None
+            self.trainer.save(path)
+        except (OSError, ValueError) as e:
+            logger.error("Run %r: could not save step %d to %s: %s", self.run_id, self.trainer.step, path, e)
+            return None
+        logger.info("Run %r: step %d saved to %s %s", self.run_id, self.trainer.step, path, why)
+        return path
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

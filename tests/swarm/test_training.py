@@ -199,7 +199,8 @@ def test_a_stage_peer_that_dies_mid_run_costs_a_retry_not_a_step(fresh_swarm, ll
 
 
 def test_a_restarted_stage_peer_resumes_from_its_checkpoint(fresh_swarm, llama_dir):
-    """Weights and AdamW state come back after a restart: the run continues at the peer's saved step."""
+    """Weights and AdamW state come back after a restart: the run continues at the peer's saved step. The peer
+    saves every 2 steps and, when it is stopped, its last step too: step 3 is not lost."""
     swarm = fresh_swarm
     identity = swarm.workdir / "stage1.id"
     flags = ["--checkpoint_dir", str(swarm.workdir / "ckpt"), "--identity_path", str(identity)]
@@ -209,12 +210,13 @@ def test_a_restarted_stage_peer_resumes_from_its_checkpoint(fresh_swarm, llama_d
     hidden = torch.randn(1, 5, 64)
     with SwarmClient(llama_dir, config=config) as client:
         client.wait_for_records(2)
-        trainer = SwarmTrainer(client, OPTIM, 2, run_id="restart", checkpoint_every=1)
+        trainer = SwarmTrainer(client, OPTIM, 2, run_id="restart", checkpoint_every=2)
         data = _batches(5)
-        for _ in range(2):
+        for _ in range(3):
             trainer.train_step([data.next_micro() for _ in range(2)])
         trained = client.loop.run(client.call_forward(stage1.peer_id, hidden, 4, 8))
     stage1.stop()
+    assert "step 3 saved to" in stage1.log()
     again = swarm.start_peer(llama_dir, block_indices="4:8", name="stage1-again", extra=flags)
     assert again.peer_id == stage1.peer_id  # same identity file, same peer id
     assert "Resumed blocks 4:8 of run 'restart'" in again.log()
@@ -224,5 +226,5 @@ def test_a_restarted_stage_peer_resumes_from_its_checkpoint(fresh_swarm, llama_d
         stream = client.loop.run(client.peer_stream(again.peer_id))
         reply, _ = client.loop.run(stream.call(TrainOpen(run_id="restart", start=4, end=8, optim=OPTIM.to_dict(),
                                                          accumulation=2), None, 10))
-        assert reply.step == 2
+        assert reply.step == 3
         assert torch.equal(client.loop.run(client.call_forward(again.peer_id, hidden, 4, 8)), trained)
