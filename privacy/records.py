@@ -8,6 +8,10 @@ or receives in a find (and before storing its own), and ``strip_value`` only on 
 Every record must be a dictionary entry stored under ``subkey=member_subkey(own public key)``, which is the
 member's libp2p peer id: a member can neither impersonate nor overwrite another member's entry, nor announce a
 record under a peer id that is not its own; plain (subkey-less) values are refused.
+
+The member's certificate travels inside the ciphertext with the value, so outsiders learn neither the value nor
+who the member is (its name, serial, expiry); they see the peer id (public anyway on every libp2p connection),
+a nonce, the ciphertext and the member's signature over them.
 """
 
 from __future__ import annotations
@@ -24,10 +28,10 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.serializer import MSGPackSerializer
 
 from privacy.certificates import WIRE_VERSION, Certificate, MemberCredentials, checked, pack, unpack_map
-from privacy.errors import MembershipError
+from privacy.errors import MembershipError, PrivacyError
 from privacy.identity import SIGNATURE_SIZE, Identity, verify_signature
 from privacy.membership import MembershipVerifier
-from privacy.peer_ids import peer_id_of
+from privacy.peer_ids import peer_id_of, public_key_of
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +63,9 @@ def _signed(record: DHTRecord, nonce: bytes, ciphertext: bytes) -> bytes:
 class PrivateRecordValidator(RecordValidatorBase):
     """Signs, encrypts and checks records so that non-members can neither read nor forge them.
 
-    Without ``credentials`` and ``identity`` the validator checks signatures and certificates but cannot store
-    (``sign_value`` returns an empty value) nor read records (``strip_value`` returns the sealed value): a relay.
+    Without ``credentials`` and ``identity`` the validator is a relay: it checks that the peer id under which a
+    record is stored signed it, but cannot check membership (the certificate is sealed), store (``sign_value``
+    returns an empty value) nor read records (``strip_value`` returns the sealed value).
     """
 
     def __init__(self, verifier: MembershipVerifier, credentials: MemberCredentials | None,
@@ -105,39 +110,56 @@ class PrivateRecordValidator(RecordValidatorBase):
             logger.warning("record expires after our certificate (%s) and will be refused by peers; renew the invite",
                            self.credentials.certificate)
         nonce = os.urandom(NONCE_SIZE)
-        ciphertext = self._aead.encrypt(nonce, record.value, _location(record))
+        sealed = pack({"v": WIRE_VERSION, "cert": self._cert_bytes, "value": record.value})
+        ciphertext = self._aead.encrypt(nonce, sealed, _location(record))
         signature = self.identity.sign(_signed(record, nonce, ciphertext))
-        return pack({"v": WIRE_VERSION, "cert": self._cert_bytes, "nonce": nonce, "ct": ciphertext, "sig": signature})
+        return pack({"v": WIRE_VERSION, "nonce": nonce, "ct": ciphertext, "sig": signature})
 
-    def _open(self, record: DHTRecord) -> tuple[Certificate, bytes, bytes, bytes]:
+    @staticmethod
+    def _envelope(record: DHTRecord) -> tuple[bytes, bytes, bytes]:
         what = "private swarm record"
         obj = unpack_map(record.value, what)
-        cert = Certificate.from_bytes(checked(obj, "cert", bytes, what))
-        return (cert, checked(obj, "nonce", bytes, what, NONCE_SIZE), checked(obj, "ct", bytes, what),
+        return (checked(obj, "nonce", bytes, what, NONCE_SIZE), checked(obj, "ct", bytes, what),
                 checked(obj, "sig", bytes, what, SIGNATURE_SIZE))
+
+    def _contents(self, record: DHTRecord, nonce: bytes, ciphertext: bytes) -> tuple[Certificate, bytes]:
+        """The certificate and the value inside a record (``InvalidTag`` if it is not sealed for this swarm)."""
+        what = "private swarm record contents"
+        obj = unpack_map(self._aead.decrypt(nonce, ciphertext, _location(record)), what)
+        return Certificate.from_bytes(checked(obj, "cert", bytes, what)), checked(obj, "value", bytes, what)
 
     def validate(self, record: DHTRecord) -> bool:
         try:
-            cert, nonce, ciphertext, signature = self._open(record)
-            self.verifier.verify(cert)
-        except MembershipError as e:
+            nonce, ciphertext, signature = self._envelope(record)
+            subkey = MSGPackSerializer.loads(record.subkey)
+            signer = public_key_of(subkey) if isinstance(subkey, str) else None
+        except (PrivacyError, ValueError, TypeError) as e:
             logger.debug("refusing record under subkey %r: %s", record.subkey[:80], e)
             return False
-        if record.subkey != MSGPackSerializer.dumps(member_subkey(cert.member_key)):
-            logger.debug("refusing record of %s: stored under another member's subkey %r", cert, record.subkey[:80])
+        if signer is None:
+            logger.debug("refusing record under subkey %r: records are stored under the member's peer id",
+                         record.subkey[:80])
+            return False
+        if not verify_signature(signer, _signed(record, nonce, ciphertext), signature):
+            logger.debug("refusing record under %s: bad signature (altered, or moved to another key)", subkey)
+            return False
+        if self._aead is None:
+            return True  # a relay: the peer id signed it; whether it is a member is sealed inside
+        try:
+            cert, _ = self._contents(record, nonce, ciphertext)
+            self.verifier.verify(cert)
+        except InvalidTag:
+            logger.debug("refusing record under %s: it does not decrypt with this swarm's secret", subkey)
+            return False
+        except MembershipError as e:
+            logger.debug("refusing record under %s: %s", subkey, e)
+            return False
+        if cert.member_key != signer:
+            logger.debug("refusing record of %s: stored under another member's peer id %s", cert, subkey)
             return False
         if record.expiration_time > cert.expires_at:  # else it would outlive the certificate in peers' storage
             logger.debug("refusing record of %s: it expires after the certificate", cert)
             return False
-        if not verify_signature(cert.member_key, _signed(record, nonce, ciphertext), signature):
-            logger.debug("refusing record of %s: bad signature (altered, or moved to another key)", cert)
-            return False
-        if self._aead is not None:
-            try:
-                self._aead.decrypt(nonce, ciphertext, _location(record))
-            except InvalidTag:
-                logger.debug("refusing record of %s: it does not decrypt with this swarm's secret", cert)
-                return False
         return True
 
     def purge_storage(self, storage: DHTLocalStorage) -> int:
@@ -171,8 +193,8 @@ class PrivateRecordValidator(RecordValidatorBase):
                 self._warned_relay = True
             return record.value
         try:
-            _, nonce, ciphertext, _ = self._open(record)
-            return self._aead.decrypt(nonce, ciphertext, _location(record))
+            nonce, ciphertext, _ = self._envelope(record)
+            return self._contents(record, nonce, ciphertext)[1]
         except (MembershipError, InvalidTag) as e:  # hivemind only strips validated records: should not happen
             logger.warning("cannot decrypt a record that passed validation (%s); returning it sealed", e)
             return record.value

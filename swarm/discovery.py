@@ -41,7 +41,7 @@ async def fetch_records(node: DHTNode, model: str) -> list[PeerRecord]:
     records, sealed = [], 0
     for subkey, item in found.value.items():
         value = getattr(item, "value", None)
-        if isinstance(value, dict) and {"cert", "ct", "sig"} <= value.keys():  # a private swarm's sealed record
+        if isinstance(value, dict) and {"nonce", "ct", "sig"} <= value.keys():  # a private swarm's sealed record
             sealed += 1
             continue
         try:

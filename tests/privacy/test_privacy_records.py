@@ -41,6 +41,9 @@ def test_sign_validate_strip_and_refusals():
     record = record_for(alice)
     sealed = signed(alice, record)
     assert SECRET.encode() not in sealed.value
+    cert = alice.credentials.certificate  # who the member is stays sealed too
+    assert b"alice" not in sealed.value and cert.serial.encode() not in sealed.value
+    assert cert.to_bytes() not in sealed.value and cert.signature not in sealed.value
     assert bob.validate(sealed) and bob.strip_value(sealed) == record.value
     composite = CompositeValidator([bob])
     assert composite.validate(sealed) and composite.strip_value(sealed) == record.value
@@ -61,7 +64,9 @@ def test_relay_without_credentials_checks_but_cannot_read_or_store():
     alice = member_validator(owner, "alice")
     relay = PrivateRecordValidator(MembershipVerifier(owner.public_info()), None, None)
     sealed = signed(alice, record_for(alice))
-    assert relay.validate(sealed)
+    assert relay.validate(sealed)  # the peer id under which it is stored signed it
+    bob_subkey = MSGPackSerializer.dumps(member_subkey(Identity.generate().public_bytes))
+    assert not relay.validate(dataclasses.replace(sealed, subkey=bob_subkey))  # moved under another peer id
     assert relay.strip_value(sealed) == sealed.value  # still sealed
     assert relay.sign_value(record_for(alice)) == b""  # never leaks the plaintext
 
