@@ -84,14 +84,17 @@ class TrainingRPC:
                 self.trainer.load(path)
                 logger.info("Run %r: resumed blocks %d:%d from %s at step %d", self.run_id, self.info.start,
                             self.info.end, path, self.trainer.step)
-            elif request.run_step > 0:  # joining a run under way: same lr schedule and averaging rounds as the rest
-                self.trainer.part.step_count = request.run_step
-                logger.info("Run %r: joined at step %d with fresh AdamW state (weights as served now)", self.run_id,
-                            request.run_step)
         else:
             self.trainer.reset_accumulation()  # a re-opened run starts its step afresh
             self.trainer.accumulation, self.trainer.auto_step = request.accumulation, not request.explicit_apply
             self.trainer.keep_activations = request.keep_activations
+        if request.run_step > self.trainer.step and any(p != self.info.peer_id for p in request.replicas):
+            # a replica joining (or rejoining) a run under way counts from the run's step, so its lr schedule and
+            # averaging rounds match the others'; its weights are a replica's (fetched at start) or its own, and
+            # the next averaging round brings them in line. A lone stage keeps its count: a mismatch shows.
+            logger.info("Run %r: joined at step %d (from %d) to match the other replicas; AdamW state kept as is",
+                        self.run_id, request.run_step, self.trainer.step)
+            self.trainer.part.step_count = request.run_step
         self.owner, self.checkpoint_every = stream, request.checkpoint_every
         self._set_replicas(request)
         logger.info("Run %r: training blocks %d:%d (accumulation %d, step %d)", self.run_id, self.info.start,
