@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import RecordValidatorBase
@@ -30,14 +30,27 @@ async def announce(node: DHTNode, record: PeerRecord, ttl: float) -> bool:
     )
 
 
-async def fetch_records(node: DHTNode, model: str) -> list[PeerRecord]:
-    """A snapshot of every unexpired, valid record of ``model``, sorted by peer id.
+class Snapshot(list[PeerRecord]):
+    """What ``fetch_records`` returns: the readable records, and how many ``sealed`` ones it could not read
+    (a private swarm's, when this node has no member credentials)."""
+
+    def __init__(self, records: Iterable[PeerRecord] = (), sealed: int = 0) -> None:
+        super().__init__(records)
+        self.sealed = sealed
+
+
+_warned_sealed: set[str] = set()  # models whose sealed records were already reported in the log
+
+
+async def fetch_records(node: DHTNode, model: str) -> Snapshot:
+    """A snapshot of every unexpired, valid record of ``model``, sorted by peer id (``Snapshot.sealed`` counts
+    the records sealed for a private swarm's members, which this node cannot read).
 
     A malformed record, or one stored under another peer's subkey, is dropped and logged; it never raises.
     """
     found = await node.get(peers_key(model), latest=True)
     if found is None or not isinstance(found.value, dict):
-        return []
+        return Snapshot()
     records, sealed = [], 0
     for subkey, item in found.value.items():
         value = getattr(item, "value", None)
@@ -54,10 +67,11 @@ async def fetch_records(node: DHTNode, model: str) -> list[PeerRecord]:
             logger.warning("Dropped an invalid record under %s: %s", peers_key(model), e)
             continue
         records.append(record)
-    if sealed:
+    if sealed and model not in _warned_sealed:  # once: callers that need a route raise PrivateSwarmError
+        _warned_sealed.add(model)
         logger.warning("%d record(s) under %s are sealed: this is a private swarm; join it with --private "
-                       "CREDENTIALS from its owner's `swarm invite`", sealed, peers_key(model))
-    return sorted(records, key=lambda r: r.peer_id)
+                       "CREDENTIALS --identity_path ID from its owner's `swarm invite`", sealed, peers_key(model))
+    return Snapshot(sorted(records, key=lambda r: r.peer_id), sealed)
 
 
 async def start_node(

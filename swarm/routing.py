@@ -1,4 +1,4 @@
-"""Choosing peers: ``make_chain`` (pure path search) and ``Router`` (snapshot, RTTs, bans)."""
+"""Choosing peers: ``make_chain`` (pure path search) and ``Router`` (snapshot, RTTs, bans, busy peers)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 from swarm.records import PeerRecord, PeerState
 
@@ -17,8 +18,12 @@ DEFAULT_RTT = 0.01  # seconds, assumed for a peer we have not measured yet
 HOP_PENALTY = 0.002  # seconds per extra hop: serialization and scheduling overhead on both ends
 
 
-class MissingBlocksError(RuntimeError):
-    """No chain of online peers covers the requested blocks."""
+class NoRouteError(RuntimeError):
+    """No chain of peers can compute the requested blocks now; the subclass says why."""
+
+
+class MissingBlocksError(NoRouteError):
+    """No online peer serves the requested blocks (banned or not)."""
 
     def __init__(self, model: str, blocks: list[int]) -> None:
         self.blocks = blocks
@@ -28,6 +33,54 @@ class MissingBlocksError(RuntimeError):
             f"`swarm peer MODEL_DIR --initial_peers ... --block_indices {blocks[0]}:{blocks[-1] + 1}`, "
             f"or wait for the swarm to recover (`swarm status` shows who serves what)."
         )
+
+
+class PrivateSwarmError(NoRouteError):
+    """The model's records are sealed: this node is not a member of the private swarm that wrote them."""
+
+    def __init__(self, model: str, sealed: int) -> None:
+        self.sealed = sealed
+        super().__init__(
+            f"this swarm is private: {sealed} sealed record(s) under {model}'s DHT key could not be read "
+            f"(only members of the private swarm can read them). Join it with --private CREDENTIALS "
+            f"--identity_path ID, the files of its owner's `swarm invite` (in Python: "
+            f"SwarmConfig(credentials_path=..., identity_path=...))."
+        )
+
+
+@dataclass(frozen=True)
+class Unavailable:
+    """Why an online peer is left out of routing for now: banned after a failure, or busy (e.g. cache full)."""
+
+    peer_id: str
+    state: str  # "banned" or "busy"
+    seconds_left: float
+    error: str  # the failure or refusal that caused it
+
+
+class PeersUnavailableError(NoRouteError):
+    """Online peers serve the blocks, but every one of them is banned after a failure or busy."""
+
+    def __init__(self, model: str, start: int, end: int, peers: list[Unavailable]) -> None:
+        self.start, self.end, self.peers = start, end, peers
+        states = " or ".join(sorted({p.state for p in peers}))
+        now = datetime.now()
+        details = "; ".join(
+            f"...{p.peer_id[-6:]} {p.state} until {(now + timedelta(seconds=p.seconds_left)):%H:%M:%S} "
+            f"(last error: {_short(p.error)})" for p in peers)
+        super().__init__(
+            f"all {len(peers)} peer(s) serving blocks {start}:{end} of {model} are {states}: {details}. Retry in a "
+            f"moment, or start another peer for them (`swarm peer MODEL_DIR --initial_peers ... --block_indices "
+            f"{start}:{end}`); `swarm status` shows who serves what."
+        )
+
+
+def _short(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _describe(error: BaseException | None) -> str:
+    return "unknown" if error is None else str(error) or type(error).__name__
 
 
 @dataclass(frozen=True)
@@ -94,8 +147,23 @@ def make_chain(
 GRACE_POLL = 0.5  # seconds between snapshots while waiting for a span's peers to reappear
 
 
+@dataclass(frozen=True)
+class Ban:
+    """A peer left out of routing after a failure, until ``until`` (``time.monotonic()``)."""
+
+    until: float
+    duration: float  # the next ban, for a new failure after this one ended, is twice as long
+    since: float  # when it began: a request sent before then failed in the same failure event
+    error: str
+
+
 class Router:
-    """Keeps a fresh snapshot of the swarm, measured RTTs and a ban list with growing backoff."""
+    """Keeps a fresh snapshot of the swarm, measured RTTs, bans with growing backoff and busy marks.
+
+    One router serves every session of a client (and its trainer), so several of them often see the same
+    failure at once (a killed peer breaks every stream to it): a failure is one event, one ban, however many
+    report it. A refusal for capacity (cache full) is no failure: the peer is only marked busy for ``busy_time``.
+    """
 
     def __init__(
         self,
@@ -106,31 +174,64 @@ class Router:
         ban_time: float = 2.0,
         max_ban_time: float = 60.0,
         missing_grace: float = 3.0,
+        busy_time: float = 1.0,
+        max_wait: float = 30.0,
     ) -> None:
         self._fetch, self.model, self.missing_grace = fetch, model, missing_grace
         self.refresh_period, self.ban_time, self.max_ban_time = refresh_period, ban_time, max_ban_time
+        self.busy_time = busy_time
+        self.max_wait = max_wait  # seconds make_chain waits for banned or busy peers before it raises
         self.records: list[PeerRecord] = []
+        self.sealed = 0  # records of the last snapshot that could not be read (a private swarm's)
         self._fetched_at = -float("inf")
         self.rtt: dict[str, float] = {}
-        self._bans: dict[str, tuple[float, float]] = {}  # peer -> (banned until, last ban duration)
+        self._bans: dict[str, Ban] = {}
+        self._busy: dict[str, tuple[float, str]] = {}  # peer -> (busy until, its refusal)
 
     async def refresh(self, force: bool = False) -> list[PeerRecord]:
         if force or time.monotonic() - self._fetched_at > self.refresh_period:
             self.records = await self._fetch()
+            self.sealed = getattr(self.records, "sealed", 0)
             self._fetched_at = time.monotonic()
         return self.records
 
     def banned(self) -> set[str]:
         now = time.monotonic()
-        return {peer for peer, (until, _) in self._bans.items() if until > now}
+        return {peer for peer, ban in self._bans.items() if ban.until > now}
 
-    def on_failure(self, peer_id: str, error: BaseException | None = None) -> None:
-        """Ban ``peer_id``; each consecutive failure doubles the ban, up to ``max_ban_time``."""
-        _, last = self._bans.get(peer_id, (0.0, 0.0))
-        duration = min(self.max_ban_time, last * 2 if last else self.ban_time)
-        self._bans[peer_id] = (time.monotonic() + duration, duration)
+    def busy(self) -> set[str]:
+        now = time.monotonic()
+        return {peer for peer, (until, _) in self._busy.items() if until > now}
+
+    def ban(self, peer_id: str) -> Ban | None:
+        """The peer's current or last ban (kept after it ends: the next one doubles), None if none or lifted."""
+        return self._bans.get(peer_id)
+
+    def on_failure(self, peer_id: str, error: BaseException | None = None, *, started: float | None = None) -> None:
+        """Ban ``peer_id`` for a failure of a request sent at ``started`` (``time.monotonic()``, if known).
+
+        A failure reported while the peer is banned, or of a request sent before its last ban began, is part of
+        the failure event that ban is for: it changes nothing. A new failure after a ban ended doubles the
+        duration, up to ``max_ban_time``; a success (``on_success``) starts over at ``ban_time``.
+        """
+        now = time.monotonic()
+        last = self._bans.get(peer_id)
+        if last is not None and (last.until > now or (started is not None and started <= last.since)):
+            logger.debug("Peer ...%s already banned for this failure event: %s", peer_id[-6:], error)
+            return
+        duration = min(self.max_ban_time, last.duration * 2 if last else self.ban_time)
+        self._bans[peer_id] = Ban(now + duration, duration, now, _describe(error))
         logger.info("Banned peer ...%s for %.1f s after: %s", peer_id[-6:], duration, error)
         logger.debug("Failure of peer %s", peer_id, exc_info=error)
+
+    def on_busy(self, peer_id: str, error: BaseException | None = None, duration: float | None = None) -> None:
+        """``peer_id`` refused for lack of capacity (e.g. its cache is full): route around it for a short while.
+
+        Not a failure: no ban, no backoff.
+        """
+        duration = self.busy_time if duration is None else duration
+        self._busy[peer_id] = (time.monotonic() + duration, _describe(error))
+        logger.info("Peer ...%s is busy; routing around it for %.1f s: %s", peer_id[-6:], duration, error)
 
     def on_success(self, peer_id: str, rtt: float | None = None) -> None:
         """Lift any ban and fold a measured round trip into the peer's RTT estimate (EMA)."""
@@ -139,9 +240,40 @@ class Router:
             old = self.rtt.get(peer_id)
             self.rtt[peer_id] = rtt if old is None else 0.8 * old + 0.2 * rtt
 
+    def unavailable(self, peer_ids: Iterable[str] | None = None) -> list[Unavailable]:
+        """Why each of ``peer_ids`` (default: all) is left out now; peers that are not are skipped."""
+        now = time.monotonic()
+        found = []
+        for peer in self._bans.keys() | self._busy.keys() if peer_ids is None else peer_ids:
+            ban, (busy_until, refusal) = self._bans.get(peer), self._busy.get(peer, (0.0, ""))
+            if ban is not None and ban.until > now and ban.until >= busy_until:
+                found.append(Unavailable(peer, "banned", ban.until - now, ban.error))
+            elif busy_until > now:
+                found.append(Unavailable(peer, "busy", busy_until - now, refusal))
+        return found
+
+    def _chain(self, start: int, end: int) -> list[Hop] | None:
+        """The best chain avoiding banned and busy peers, or None."""
+        try:
+            return make_chain(self.records, start, end, rtt=self.rtt, banned=self.banned() | self.busy(),
+                              model=self.model)
+        except MissingBlocksError:
+            return None
+
+    def _blockers(self, start: int, end: int) -> tuple[int, int, list[Unavailable]]:
+        """The blocks of ``[start, end)`` only banned or busy peers serve, and those peers."""
+        left_out = {u.peer_id: u for u in self.unavailable()}
+        online = [r for r in self.records if r.state == PeerState.ONLINE]
+        covered = {b for r in online if r.peer_id not in left_out for b in range(r.start, r.end)}
+        blocks = [b for b in range(start, end) if b not in covered] or [start]
+        peers = [left_out[r.peer_id] for r in online if r.peer_id in left_out and r.start <= blocks[-1]
+                 and r.end > blocks[0]]
+        return blocks[0], blocks[-1] + 1, peers
+
     async def _wait_for_records(self, start: int, end: int) -> None:
         """Give the swarm ``missing_grace`` seconds to show peers for ``[start, end)`` (banned or not): a peer
-        whose heartbeat is late under load drops out of the DHT for a moment. Raises ``MissingBlocksError``."""
+        whose heartbeat is late under load drops out of the DHT for a moment. Raises ``MissingBlocksError``, or
+        ``PrivateSwarmError`` if the records are there but sealed for members only."""
         for attempt in range(int(self.missing_grace / GRACE_POLL) + 1):
             if attempt:
                 await asyncio.sleep(GRACE_POLL)
@@ -149,27 +281,40 @@ class Router:
             try:
                 make_chain(self.records, start, end, rtt=self.rtt, model=self.model)
                 return
-            except MissingBlocksError:
+            except MissingBlocksError as e:
                 if attempt == int(self.missing_grace / GRACE_POLL):
+                    if self.sealed:
+                        raise PrivateSwarmError(self.model, self.sealed) from e
                     raise
 
-    async def make_chain(self, start: int, end: int) -> list[Hop]:
-        """A chain for ``[start, end)``.
+    async def make_chain(self, start: int, end: int, *, wait: float | None = None) -> list[Hop]:
+        """A chain for ``[start, end)``, avoiding banned and busy peers.
 
-        If the cached snapshot has none, refresh it; if only banned peers could serve the span, wait for the
-        earliest of their bans to end (a transient failure of every replica must not fail the request).
+        If the cached snapshot has none, refresh it; if only banned or busy peers could serve the span, wait for
+        the earliest of them to be free again (a transient failure of every replica must not fail the request),
+        for up to ``wait`` seconds (default ``max_wait``); then ``PeersUnavailableError`` says who and why.
+        Nobody serving the span raises ``MissingBlocksError`` (``PrivateSwarmError`` if records are sealed).
         """
         await self.refresh()
-        try:
-            return make_chain(self.records, start, end, rtt=self.rtt, banned=self.banned(), model=self.model)
-        except MissingBlocksError:
-            await self.refresh(force=True)
-        try:
-            return make_chain(self.records, start, end, rtt=self.rtt, banned=self.banned(), model=self.model)
-        except MissingBlocksError:
-            await self._wait_for_records(start, end)  # raises if nobody serves the span, banned or not
+        if (chain := self._chain(start, end)) is not None:
+            return chain
+        await self.refresh(force=True)
+        if (chain := self._chain(start, end)) is not None:
+            return chain
+        await self._wait_for_records(start, end)  # raises if nobody serves the span, banned or not
+        deadline = time.monotonic() + (self.max_wait if wait is None else wait)
+        while (chain := self._chain(start, end)) is None:
+            first, last, peers = self._blockers(start, end)
+            if not peers:  # the snapshot changed: the span lost its peers
+                await self._wait_for_records(start, end)
+                continue
             now = time.monotonic()
-            wait = min((until for until, _ in self._bans.values() if until > now), default=now) - now
-            logger.info("Every peer that serves blocks %d:%d is banned; retrying in %.1f s", start, end, wait)
-            await asyncio.sleep(max(0.0, wait))
-            return make_chain(self.records, start, end, rtt=self.rtt, banned=self.banned(), model=self.model)
+            free_at = now + min(p.seconds_left for p in peers)
+            if free_at > deadline:
+                raise PeersUnavailableError(self.model, first, last, peers)
+            states = " or ".join(sorted({p.state for p in peers}))
+            logger.info("Every peer that serves blocks %d:%d is %s; retrying in %.1f s", first, last, states,
+                        free_at - now)
+            await asyncio.sleep(free_at - now)
+            await self.refresh()
+        return chain

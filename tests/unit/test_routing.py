@@ -193,11 +193,14 @@ def router(fetch=None, **kwargs) -> Router:
     ],
 )
 def test_ban_doubles_up_to_max(clock, failures, ban_time, max_ban_time, duration):
+    """Each new failure after the previous ban ended doubles the ban."""
     r = router(ban_time=ban_time, max_ban_time=max_ban_time)
-    t0 = clock.now
     for _ in range(failures):
+        if r.ban(pid("A")) is not None:
+            clock.now = r.ban(pid("A")).until + 0.01  # the last ban is over: the peer is tried, and fails again
         r.on_failure(pid("A"), RuntimeError("boom"))
-    assert r.banned() == {pid("A")}
+    t0 = clock.now
+    assert r.banned() == {pid("A")} and r.ban(pid("A")).duration == duration
     clock.now = t0 + duration - 0.01
     assert r.banned() == {pid("A")}
     clock.now = t0 + duration + 0.01
@@ -218,8 +221,9 @@ def test_ban_counts_from_the_last_failure(clock):
 
 def test_bans_are_per_peer(clock):
     r = router()
-    for _ in range(3):
-        r.on_failure(pid("A"))
+    r.on_failure(pid("A"))
+    clock.now += 1.01
+    r.on_failure(pid("A"))  # a new failure after the first ban: 2 s
     r.on_failure(pid("B"))
     clock.now += 1.5
     assert r.banned() == {pid("A")}
