@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ class _Task:
     end: int
     future: asyncio.Future = field(repr=False)
     session: Session | None = None  # an inference step, else a stateless forward
+    owner: str = ""  # the client (peer id) it runs for: batches take turns between clients
 
     @property
     def batch_key(self) -> tuple:
@@ -39,7 +41,9 @@ class StageBackend:
     Tasks that are waiting when the compute thread frees up, and that have the same kind, blocks, number of
     new tokens and dtype, are concatenated along the batch axis and run as one forward (up to
     ``max_batch_tokens`` tokens). Inference steps of sessions whose caches differ in length are batched
-    with left padding and a key mask.
+    with left padding and a key mask. Clients take turns: each batch starts with the oldest task of the client
+    served least recently and is filled round-robin between clients, so that one client's flood of work delays
+    another's next task by at most one batch per client with work waiting.
     """
 
     def __init__(
@@ -53,6 +57,8 @@ class StageBackend:
         self._queue: asyncio.Queue[_Task] = asyncio.Queue()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
         self._runner: asyncio.Task | None = None
+        self._served: dict[str, int] = {}  # client -> the last batch that ran one of its tasks
+        self._batch_number = itertools.count(1)
         self.batches_run = 0  # for tests and the status page
         self.inference_steps = self.inference_batches = 0
 
@@ -66,9 +72,11 @@ class StageBackend:
             await asyncio.gather(self._runner, return_exceptions=True)
         self._executor.shutdown(wait=True, cancel_futures=True)
 
-    async def forward(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Hidden states ``[batch, seq, hidden]`` through blocks ``[start, end)``; validated by the caller."""
-        return await self._submit(_Task(hidden, start, end, asyncio.get_running_loop().create_future()))
+    async def forward(self, hidden: torch.Tensor, start: int, end: int, owner: str = "") -> torch.Tensor:
+        """Hidden states ``[batch, seq, hidden]`` through blocks ``[start, end)`` for client ``owner``; validated
+        by the caller."""
+        return await self._submit(_Task(hidden, start, end, asyncio.get_running_loop().create_future(),
+                                        owner=owner))
 
     async def inference_step(self, session: Session, hidden: torch.Tensor, position: int) -> torch.Tensor:
         """Tokens ``[position, position + T)`` of ``session`` through its blocks, extending its KV cache.
@@ -76,7 +84,8 @@ class StageBackend:
         A ``position`` below the session's length first rolls the cache back to it. Validated by the caller.
         """
         session.truncate(position)
-        task = _Task(hidden, session.start, session.end, asyncio.get_running_loop().create_future(), session)
+        task = _Task(hidden, session.start, session.end, asyncio.get_running_loop().create_future(), session,
+                     session.owner)
         return await self._submit(task)
 
     async def _submit(self, task: _Task) -> torch.Tensor:
@@ -94,16 +103,7 @@ class StageBackend:
             pending = [t for t in pending if not t.future.done()]  # callers that timed out
             if not pending:
                 continue
-            batch, rest, tokens, key = [], [], 0, pending[0].batch_key
-            for task in pending:
-                size = task.hidden.shape[0] * task.hidden.shape[1]
-                # the first task always runs, even alone above the limit: an empty batch would kill this loop
-                if task.batch_key == key and (not batch or tokens + size <= self.max_batch_tokens):
-                    batch.append(task)
-                    tokens += size
-                else:
-                    rest.append(task)
-            pending = rest
+            batch, pending = self._next_batch(pending)
             compute = self._compute_inference if batch[0].session is not None else self._compute_forward
             try:
                 if sum(t.hidden.shape[0] * t.hidden.shape[1] for t in batch) <= INLINE_TOKENS:
@@ -119,6 +119,29 @@ class StageBackend:
             for task, output in zip(batch, outputs, strict=True):
                 if not task.future.done():
                     task.future.set_result(output)
+
+    def _next_batch(self, pending: list[_Task]) -> tuple[list[_Task], list[_Task]]:
+        """The batch to run next and the tasks left: clients in turn, least recently served first."""
+        by_owner: dict[str, list[_Task]] = {}
+        for task in pending:
+            by_owner.setdefault(task.owner, []).append(task)
+        owners = sorted(by_owner, key=lambda o: self._served.get(o, 0))  # stable: ties keep arrival order
+        turns = [t for round_ in itertools.zip_longest(*(by_owner[o] for o in owners)) for t in round_
+                 if t is not None]
+        batch, tokens, key = [], 0, turns[0].batch_key
+        for task in turns:
+            size = task.hidden.shape[0] * task.hidden.shape[1]
+            # the first task always runs, even alone above the limit: an empty batch would kill this loop
+            if task.batch_key == key and (not batch or tokens + size <= self.max_batch_tokens):
+                batch.append(task)
+                tokens += size
+        number = next(self._batch_number)
+        for task in batch:
+            self._served[task.owner] = number
+        if len(self._served) > 4096:  # forget clients with nothing queued
+            self._served = {o: n for o, n in self._served.items() if o in by_owner}
+        chosen = {id(t) for t in batch}
+        return batch, [t for t in pending if id(t) not in chosen]
 
     async def _gather_window(self, max_rounds: int = 4) -> None:
         """Let the other parts of a multi-session message reach the queue before a batch is formed.

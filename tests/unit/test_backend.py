@@ -10,6 +10,7 @@ import torch
 
 from peers.backend import StageBackend
 from peers.model import StageBlocks, load_blocks
+from peers.sessions import Session
 
 HIDDEN = 64  # the tiny Llama of tests/conftest.py
 TOL = 1e-5
@@ -253,3 +254,53 @@ def test_failed_forward_fails_only_its_batch(blocks):
 
     out = run_backend(blocks, body)
     assert (reference(blocks, good, 0, 8) - out).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("kind", ["forward", "step"])
+def test_finding_11_one_clients_flood_does_not_starve_another(blocks, kind):
+    """Client A queues 12 tasks of a full batch each, then B one: B runs in the second batch, not the 13th."""
+    flood, seq = 12, 4
+    hidden = inputs([(1, seq)] * (flood + 1), seed=8)
+
+    async def body(backend, recorder):
+        finished: list[str] = []
+
+        async def call(owner: str, index: int) -> torch.Tensor:
+            if kind == "forward":
+                out = await backend.forward(hidden[index], 0, 8, owner)
+            else:
+                session = Session(f"{owner}{index}", owner, 0, 8, 16, 1)
+                out = await backend.inference_step(session, hidden[index], 0)
+            finished.append(owner)
+            return out
+
+        calls = [asyncio.ensure_future(call("A", i)) for i in range(flood)]
+        calls.append(asyncio.ensure_future(call("B", flood)))  # queued behind all of A's work
+        outputs = await asyncio.gather(*calls)
+        return finished, outputs, len(recorder.batches)
+
+    finished, outputs, batches = run_backend(blocks, body, max_batch_tokens=seq)  # one task per batch
+    assert batches == flood + 1
+    assert finished.index("B") <= 1, finished  # A's flood delays B by at most one batch
+    for h, out in zip(hidden, outputs, strict=True):
+        assert (reference(blocks, h, 0, 8) - out).abs().max().item() < TOL
+
+
+def test_finding_11_clients_share_a_full_batch_in_turn(blocks):
+    """A batch that cannot take every waiting task takes them round-robin between clients."""
+    hidden = inputs([(1, 2)] * 8, seed=9)
+    owners = ["A"] * 6 + ["B", "C"]
+
+    async def body(backend, recorder):
+        finished: list[str] = []
+
+        async def call(h: torch.Tensor, owner: str) -> None:
+            await backend.forward(h, 0, 8, owner)
+            finished.append(owner)
+
+        await asyncio.gather(*(call(h, o) for h, o in zip(hidden, owners, strict=True)))
+        return finished, recorder.rows
+
+    finished, rows = run_backend(blocks, body, max_batch_tokens=8)  # 4 tasks per batch
+    assert rows == [4, 4]
+    assert sorted(finished[:4]) == ["A", "A", "B", "C"], finished  # not A's first four
