@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import AsyncIterator  # noqa: UP035  (typing's: hivemind's servicer reads it)
+from typing import Any
 
 import torch
-from hivemind.p2p import P2PContext
+from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
 from peers.backend import StageBackend
 from peers.finite import all_finite
 from peers.inference_rpc import InferenceRPC
-from peers.protocol import InfoRequest, RequestError, StageInfo, StageService
+from peers.protocol import INFERENCE_HANDLE, InfoRequest, RequestError, StageInfo, StageService
 from peers.sessions import SessionRegistry
 from peers.training_rpc import TrainingRPC
 from privacy.admission import Admission, caller_key, proof_context
@@ -48,16 +48,21 @@ class StageHandler(StageService):
             raise RequestError(f"rpc_info refused: {e}") from None
         info = dataclasses.replace(
             self.info, cache_tokens_free=self.sessions.tokens_free, sessions=len(self.sessions.sessions),
+            opens_waiting=self.sessions.opens_waiting,
             inference_steps=self.backend.inference_steps, inference_batches=self.backend.inference_batches,
             train_steps=self.training.step if self.training is not None else 0,
         )
         return runtime_pb2.ExpertInfo(serialized_info=info.to_bytes())
 
-    async def rpc_inference(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        async for response in self.inference.serve(requests, context):
-            yield response
+    async def add_p2p_handlers(self, p2p: P2P, wrapper: Any = None, *, namespace: str | None = None,
+                               balanced: bool = False) -> None:
+        """``rpc_info`` as a hivemind protobuf handler, the stream as our own framed handler (``peers.framing``)."""
+        await super().add_p2p_handlers(p2p, wrapper, namespace=namespace, balanced=balanced)
+        await p2p.add_binary_stream_handler(INFERENCE_HANDLE, self.inference.handle_stream, balanced=balanced)
+
+    async def remove_p2p_handlers(self, p2p: P2P, *, namespace: str | None = None) -> None:
+        await p2p.remove_binary_stream_handler(INFERENCE_HANDLE)
+        await super().remove_p2p_handlers(p2p, namespace=namespace)
 
     def _check_blocks(self, start: int, end: int) -> None:
         if not self.info.start <= start < end <= self.info.end:

@@ -11,17 +11,23 @@ closing its sessions detaches them: their caches wait ``session_timeout`` for a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
 
 import torch
-from hivemind.p2p import P2PContext
+from hivemind.p2p import PeerID
+from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import runtime_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
 
 from peers.aio import deadline
 from peers.backend import StageBackend
+from peers.framing import ERROR, FrameWriter, IncomingFrames, encode
 from peers.protocol import (
+    HEARTBEAT_METADATA,
+    HEARTBEAT_PERIOD,
     ForwardRequest,
     InferenceClose,
     InferenceHello,
@@ -43,12 +49,14 @@ from peers.protocol import (
     unsealer,
 )
 from peers.sessions import Session, SessionRegistry
-from peers.training_rpc import TrainingRPC
+from peers.training_rpc import TrainingRPC, training_refusal
 from privacy.admission import Admission, caller_key, proof_context
 from privacy.channel import SecureChannel, accept_handshake
 from privacy.identity import Identity
 
 logger = logging.getLogger(__name__)
+
+HEARTBEAT_FRAME = encode(runtime_pb2.ExpertResponse(metadata=HEARTBEAT_METADATA))
 
 
 class InferenceRPC:
@@ -64,76 +72,114 @@ class InferenceRPC:
         self.admission = admission or Admission()
         self.training = training
 
-    async def serve(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        owner, owned, stream = str(context.remote_id), {}, _Stream(admitted=not self.admission.required)
+    async def handle_stream(self, info: StreamInfo, reader: asyncio.StreamReader,
+                            writer: asyncio.StreamWriter) -> None:
+        """One client's stream, framed by ``peers.framing`` (hivemind's format, size-capped on arrival).
+
+        The stream lives until the client ends it or goes away: an idle stream is never closed on a timer (its
+        sessions are freed by the registry's timeout), so a client never meets a stream that died in silence.
+        """
+        caller = str(info.peer_id)
+        requests = IncomingFrames(reader, runtime_pb2.ExpertRequest, name=f"stream from ...{caller[-6:]}")
+        out, stream = FrameWriter(writer), _Stream(admitted=not self.admission.required)
+        heartbeat = asyncio.create_task(self._heartbeat(stream, requests, out))
         try:
-            while True:
+            async for responses in self.serve(requests, caller, stream):
+                await out.send(*(encode(r) for r in responses))
+        except (ConnectionError, OSError):
+            pass  # the client went away while we answered
+        finally:
+            heartbeat.cancel()
+            requests.close()
+            end = requests.end.error if requests.end is not None else ""
+            if end and "broke the framing" in end:
+                logger.warning("Closing %s", end)
+                with contextlib.suppress(ConnectionError, OSError):
+                    await out.send(encode(RPCError(message=end), ERROR))
+            out.close()
+
+    async def _heartbeat(self, stream: _Stream, requests: IncomingFrames, out: FrameWriter) -> None:
+        """While the stream has work in hand, tell a client that asked (its hello) that we are alive."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(HEARTBEAT_PERIOD / 2)
+            if stream.heartbeat and (stream.busy or requests.queued) and \
+                    loop.time() - out.last_write >= HEARTBEAT_PERIOD:
                 try:
-                    async with deadline(self.sessions.timeout if owned else self.request_timeout):
-                        message = await anext(requests)
-                except StopAsyncIteration:
+                    await out.send(HEARTBEAT_FRAME)
+                except (ConnectionError, OSError):
                     return
-                except asyncio.TimeoutError:  # end the stream once none of its sessions is alive
-                    for session_id in [i for i, s in owned.items() if self.sessions.sessions.get(i) is not s]:
-                        owned.pop(session_id)
-                    if not owned:
-                        return
-                    continue
+
+    async def serve(self, requests: IncomingFrames, owner: str, stream: _Stream
+                    ) -> AsyncIterator[list[runtime_pb2.ExpertResponse]]:
+        """The replies to each request of one stream, in order (an empty list: no reply is due)."""
+        owned: dict[str, Session] = {}
+        try:
+            while (message := await requests.get()) is not None:
+                stream.busy = True
                 try:
-                    request = unpack_inference(message.metadata)
-                except ValueError as e:
-                    await self._skip_tensor(requests, message)
-                    yield reply(error=str(e))
-                    continue
-                if isinstance(request, InferenceHello):
-                    yield self._hello(request, stream, context)
-                elif refusal := self._refusal(stream):
-                    await self._skip_tensor(requests, message)
-                    if not isinstance(request, InferenceClose):
-                        yield reply(error=refusal)
-                elif isinstance(request, ForwardRequest):
-                    for response in await self._forward(request, requests, message, stream):
-                        yield response
-                elif self.training is None and isinstance(request, TRAINING_KINDS):
-                    await self._skip_tensor(requests, message)
-                    yield reply(error="this peer does not train (it was started with --no_train)")
-                elif isinstance(request, TrainOpen):
-                    yield self._train_open(request, stream)
-                elif isinstance(request, TrainApply):
-                    yield await self._train_apply(request, stream)
-                elif isinstance(request, (TrainForward, TrainBackward, ParamsPush)):
-                    for response in await self._train_call(request, requests, message, stream, owner):
-                        yield response
-                elif isinstance(request, ParamsFetch):
-                    for response in self._params_fetch(request, stream):
-                        yield response
-                elif isinstance(request, InferenceOpen):
-                    yield self._open(request, owner, owned)
-                elif isinstance(request, InferenceClose):
-                    self._close(request, owned)
-                else:
-                    for response in await self._steps(request, requests, message, owned, stream):
-                        yield response
+                    responses = await self._dispatch(message, requests, owner, owned, stream)
+                except (RequestError, ValueError, asyncio.TimeoutError) as e:
+                    responses = [reply(error=str(e) or "the request exceeded its deadline")]
+                except Exception as e:  # a bug must cost one request, not the stream and its sessions
+                    logger.warning("A request from ...%s failed: %r", owner[-6:], e)
+                    responses = [reply(error=f"internal error: {type(e).__name__}: {e}")]
+                finally:
+                    stream.busy = False
+                yield responses
         finally:
             for session_id in owned:
                 self.sessions.detach(session_id)
             if self.training is not None:
                 self.training.stream_closed(stream)
 
+    async def _dispatch(self, message: runtime_pb2.ExpertRequest, requests: IncomingFrames, owner: str,
+                        owned: dict, stream: _Stream) -> list[runtime_pb2.ExpertResponse]:
+        try:
+            request = unpack_inference(message.metadata)
+        except ValueError as e:
+            await self._skip_tensor(requests, message)
+            logger.info("Refused a request from ...%s: %s", owner[-6:], e)
+            return [reply(error=str(e))]
+        if isinstance(request, InferenceHello):
+            return [self._hello(request, stream, owner)]
+        if refusal := self._refusal(stream):
+            await self._skip_tensor(requests, message)
+            return [] if isinstance(request, InferenceClose) else [reply(error=refusal)]
+        if isinstance(request, ForwardRequest):
+            return await self._forward(request, requests, message, stream, owner)
+        if isinstance(request, TRAINING_KINDS) and (refusal := training_refusal(self.training, request, owner)):
+            await self._skip_tensor(requests, message)  # not a trainer this peer's operator allowed (--trainers)
+            return [reply(error=refusal)]
+        if isinstance(request, TrainOpen):
+            return [await self._train_open(request, stream)]
+        if isinstance(request, TrainApply):
+            return [await self._train_apply(request, stream)]
+        if isinstance(request, (TrainForward, TrainBackward, ParamsPush)):
+            return await self._train_call(request, requests, message, stream, owner)
+        if isinstance(request, ParamsFetch):
+            return self._params_fetch(request, stream)
+        if isinstance(request, InferenceOpen):
+            return [await self._open(request, owner, owned)]
+        if isinstance(request, InferenceClose):
+            self._close(request, owned)
+            return []
+        return await self._steps(request, requests, message, owned, stream)
+
     def _refusal(self, stream: _Stream) -> str:
         """Why this stream may not make requests (never admitted, or its certificate expired or was revoked)."""
         if not stream.admitted:
             return ("not admitted: this peer serves only members of its private swarm; open the stream with a "
                     "hello that carries a membership proof")
+        if stream.channel is None and self.require_encryption:
+            return "this peer only takes encrypted streams: send a hello (handshake) first"
         try:
             self.admission.recheck(stream.member)
         except ValueError as e:
             return f"not admitted any more: {e}"
         return ""
 
-    def _hello(self, request: InferenceHello, stream: _Stream, context: P2PContext) -> runtime_pb2.ExpertResponse:
+    def _hello(self, request: InferenceHello, stream: _Stream, caller: str) -> runtime_pb2.ExpertResponse:
         """Admission, then key agreement: from now on every tensor on this stream is sealed (``privacy.channel``).
 
         The proof is bound to this RPC, this peer and the client's hello (its fresh X25519 key), so it cannot be
@@ -144,28 +190,30 @@ class InferenceRPC:
         stream.hello_seen = True
         try:
             context_bytes = proof_context("rpc_inference", self.identity.public_bytes, request.hello)
-            stream.member = self.admission.admit(request.proof, context_bytes, caller_key(context.remote_id))
+            stream.member = self.admission.admit(request.proof, context_bytes, caller_key(PeerID.from_base58(caller)))
         except ValueError as e:
-            logger.info("rpc_inference(peer=...%s) not admitted: %s", str(context.remote_id)[-6:], e)
+            logger.info("rpc_inference(peer=...%s) not admitted: %s", caller[-6:], e)
             return reply(error=f"not admitted: {e}")
         stream.admitted = True
+        stream.heartbeat = request.heartbeat
+        period = HEARTBEAT_PERIOD if request.heartbeat else 0.0
         if not request.hello:
-            return reply()
+            return runtime_pb2.ExpertResponse(metadata=InferenceReply(heartbeat=period).to_bytes())
         try:
             handshake, stream.channel = accept_handshake(request.hello, self.identity)
         except ValueError as e:
             return reply(error=f"handshake refused: {e}")
-        return runtime_pb2.ExpertResponse(metadata=InferenceReply(handshake=handshake).to_bytes())
+        return runtime_pb2.ExpertResponse(metadata=InferenceReply(handshake=handshake, heartbeat=period).to_bytes())
 
     async def _forward(self, request: ForwardRequest, requests: AsyncIterator, message: runtime_pb2.ExpertRequest,
-                       stream: _Stream) -> list[runtime_pb2.ExpertResponse]:
+                       stream: _Stream, owner: str = "") -> list[runtime_pb2.ExpertResponse]:
         """A stateless forward through ``[start, end)``: one sealed tensor in, one out."""
         try:
             hidden = await self._read_tensor(requests, message, stream)
             self.check_blocks(request.start, request.end)
             self.check_hidden(hidden)
             async with deadline(self.request_timeout):
-                output = await self.backend.forward(hidden, request.start, request.end)
+                output = await self.backend.forward(hidden, request.start, request.end, owner)
         except (RequestError, ValueError, asyncio.TimeoutError) as e:
             error = str(e) or f"forward exceeded the deadline of {self.request_timeout:.0f} s"
             logger.info("forward(blocks=%s:%s) refused: %s", request.start, request.end, error)
@@ -173,9 +221,9 @@ class InferenceRPC:
         return list(tensor_messages(output, InferenceReply().to_bytes(), runtime_pb2.ExpertResponse,
                                     seal=stream.seal))
 
-    def _train_open(self, request: TrainOpen, stream: _Stream) -> runtime_pb2.ExpertResponse:
+    async def _train_open(self, request: TrainOpen, stream: _Stream) -> runtime_pb2.ExpertResponse:
         try:
-            step = self.training.open(request, stream)
+            step = await self.training.open(request, stream)
         except (RequestError, ValueError) as e:
             logger.info("train_open(run=%r) refused: %s", request.run_id, e)
             return reply(error=str(e))
@@ -239,11 +287,15 @@ class InferenceRPC:
                                                    unseal=stream.unseal)
         return hidden
 
-    def _open(self, request: InferenceOpen, owner: str, owned: dict) -> runtime_pb2.ExpertResponse:
+    async def _open(self, request: InferenceOpen, owner: str, owned: dict) -> runtime_pb2.ExpertResponse:
+        """Open (or resume) a session; it waits for cache space only on a stream with no live session, whose
+        later requests (steps of other sessions) would wait behind it."""
         try:
             if not 1 <= request.batch_size <= self.info.max_batch_size:
                 raise RequestError(f"batch_size must be in 1..{self.info.max_batch_size} on this peer")
-            session = self.sessions.open(request, owner, (self.info.start, self.info.end))
+            live = any(self.sessions.sessions.get(i) is s for i, s in owned.items())
+            session = await self.sessions.open(request, owner, (self.info.start, self.info.end),
+                                               wait=0.0 if live else None)
         except (RequestError, ValueError) as e:
             logger.info("rpc_inference(peer=...%s) open refused: %s", owner[-6:], e)
             return reply(error=str(e))
@@ -327,6 +379,8 @@ class _Stream:
 
     def __init__(self, *, admitted: bool) -> None:
         self.admitted, self.hello_seen, self.member = admitted, False, None  # member: what admission returned
+        self.heartbeat = False  # the client asked for heartbeats while we work on its requests
+        self.busy = False  # a request is being handled
         self.channel: SecureChannel | None = None
 
     @property

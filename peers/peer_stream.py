@@ -18,7 +18,10 @@ import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
+from peers.framing import FrameWriter, IncomingFrames, encode, end_of_stream
 from peers.protocol import (
+    HEARTBEAT_METADATA,
+    INFERENCE_HANDLE,
     MAX_REPLY_BYTES,
     ForwardRequest,
     InferenceClose,
@@ -28,7 +31,6 @@ from peers.protocol import (
     InferenceStep,
     Message,
     RequestError,
-    StageService,
     pack_inference,
     read_tensor_messages,
     sealer,
@@ -43,6 +45,7 @@ from privacy.peer_ids import public_key_of
 logger = logging.getLogger(__name__)
 
 MAX_COALESCED_TOKENS = 512  # rows x new tokens of the steps sent together in one message
+LIVENESS_TIMEOUT = 3.0  # seconds of silence (no reply, no heartbeat) with requests pending: the peer is gone
 
 
 @dataclass(eq=False)
@@ -66,40 +69,63 @@ class PeerStream:
         self._in_flight = False
         self._flush_scheduled = False
         self._reader: asyncio.Task | None = None
+        self._writer: asyncio.Task | None = None
+        self._watchdog: asyncio.Task | None = None
+        self._replies: IncomingFrames | None = None
         self.step_messages = 0  # step messages sent (each may carry several sessions' steps)
         self._channel: SecureChannel | None = None  # set by the handshake: seals every tensor both ways
+        self._idle_until = 0.0  # loop time when the pending requests started (liveness counts from then)
 
     @classmethod
     async def connect(cls, p2p: P2P, peer_id: str, *, encrypt: bool = True, timeout: float = 30.0,
-                      admission: Admission | None = None) -> PeerStream:
+                      admission: Admission | None = None, liveness_timeout: float = LIVENESS_TIMEOUT) -> PeerStream:
         """Open the stream; with ``encrypt``, agree on keys with the peer whose public key is ``peer_id``.
 
         Every tensor on an encrypted stream is sealed with AES-GCM under keys only this client and that peer
         hold: relays, other peers and the p2p daemons see ciphertext (shapes and dtypes stay visible). The hello
-        also carries ``admission``'s proof (a private swarm's membership proof, bound to this handshake).
+        also carries ``admission``'s proof (a private swarm's membership proof, bound to this handshake) and asks
+        for heartbeats: while a request is pending, a peer that sends nothing for ``liveness_timeout`` seconds
+        is taken for gone (a peer that dies closes the stream, which fails the pending requests at once).
         """
         admission = admission or Admission()
         stream = cls(p2p, peer_id)
-        stub = StageService.get_stub(p2p, PeerID.from_base58(peer_id))
-        replies = await stub.rpc_inference(stream._requests())
-        stream._reader = asyncio.create_task(stream._read(replies))
-        if encrypt or admission.required:
-            try:
-                peer_key = public_key_of(peer_id)
-                handshake = ClientHandshake(peer_key, new_session_id()) if encrypt else None
-                hello = handshake.hello() if handshake else b""
-                proof = admission.proof(proof_context("rpc_inference", peer_key, hello))
-                metadata = pack_inference(InferenceHello(hello=hello, proof=proof))
-                reply, _ = await stream._request(metadata, None, timeout)
-                if reply.error:
-                    error = MembershipError if reply.error.startswith("not admitted") else ChannelError
-                    raise error(f"peer ...{peer_id[-6:]} refused the stream: {reply.error}")
-                if handshake is not None:
-                    stream._channel = handshake.finish(reply.handshake)
-            except BaseException:
-                stream.shutdown()
-                raise
+        _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), INFERENCE_HANDLE)
+        stream._start(reader, writer)
+        try:
+            peer_key = public_key_of(peer_id)
+            handshake = ClientHandshake(peer_key, new_session_id()) if encrypt else None
+            hello = handshake.hello() if handshake else b""
+            proof = admission.proof(proof_context("rpc_inference", peer_key, hello)) if admission.required else b""
+            metadata = pack_inference(InferenceHello(hello=hello, proof=proof, heartbeat=True))
+            reply, _ = await stream._request(metadata, None, timeout)
+            if reply.error:
+                error = MembershipError if reply.error.startswith("not admitted") else ChannelError
+                raise error(f"peer ...{peer_id[-6:]} refused the stream: {reply.error}")
+            if handshake is not None:
+                stream._channel = handshake.finish(reply.handshake)
+            if reply.heartbeat > 0:
+                limit = max(liveness_timeout, 3 * reply.heartbeat)
+                stream._watchdog = asyncio.create_task(stream._watch(limit))
+        except BaseException:
+            stream.shutdown()
+            raise
         return stream
+
+    @classmethod
+    async def without_hello(cls, p2p: P2P, peer_id: str) -> PeerStream:
+        """A stream that skips the hello (no handshake, no proof, no heartbeats): what a careless or hostile
+        client sends; for tests of what peers refuse."""
+        stream = cls(p2p, peer_id)
+        _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), INFERENCE_HANDLE)
+        stream._start(reader, writer)
+        return stream
+
+    def _start(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._replies = IncomingFrames(reader, runtime_pb2.ExpertResponse, max_queued=64,
+                                       name=f"stream to peer ...{self.peer_id[-6:]}")
+        self._out = FrameWriter(writer)  # closed when the reader ends: the end-of-stream frame is only a half-close
+        self._writer = asyncio.create_task(self._write(self._out))
+        self._reader = asyncio.create_task(self._read(self._frames()))
 
     async def forward(self, start: int, end: int, hidden: torch.Tensor, timeout: float) -> torch.Tensor:
         """Blocks ``[start, end)`` of the peer on ``hidden`` (no session); ``RequestError`` if refused."""
@@ -151,9 +177,12 @@ class PeerStream:
                 timer.cancel()
             if not future.done():
                 future.set_exception(error)
-        self._outbox.put_nowait(None)
-        if self._reader is not None and self._reader is not asyncio.current_task():
-            self._reader.cancel()
+        self._outbox.put_nowait(None)  # the writer sends the end of stream, then closes
+        for task in (self._reader, self._watchdog):
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+        if self._replies is not None:
+            self._replies.close()
 
     # ---- internals --------------------------------------------------------------------------------
     def _schedule_flush(self) -> None:
@@ -217,6 +246,8 @@ class PeerStream:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         timer = loop.call_later(timeout, self._expire, future, timeout)
+        if not self._waiting:
+            self._idle_until = loop.time()  # silence before this request does not count against the peer
         self._waiting.append((future, timer))
         if hidden is None:
             self._outbox.put_nowait(_message(metadata))
@@ -241,12 +272,37 @@ class PeerStream:
         if not future.done():
             self.shutdown(TimeoutError(f"peer ...{self.peer_id[-6:]} did not answer within {timeout:.1f} s"))
 
-    async def _requests(self):
-        while True:
-            message = await self._outbox.get()
-            if message is None:
-                return
-            yield message
+    async def _write(self, out: FrameWriter) -> None:
+        """Send the outbox's messages in order; at its end (``shutdown``), hivemind's end-of-stream frame."""
+        try:
+            while (message := await self._outbox.get()) is not None:
+                await out.send(encode(message))
+            await out.send(end_of_stream())
+        except (ConnectionError, OSError) as e:
+            self.shutdown(ConnectionError(f"stream to peer ...{self.peer_id[-6:]} broke while sending: {e!r}"))
+        finally:
+            if self.closed:  # after a shutdown; an end of stream alone only half-closes (replies may still come)
+                out.close()
+
+    async def _frames(self):
+        """The peer's replies, without its heartbeats."""
+        while (message := await self._replies.get()) is not None:
+            if message.tensors or message.metadata != HEARTBEAT_METADATA:
+                yield message
+
+    async def _watch(self, limit: float) -> None:
+        """Fail the pending requests once the peer has sent nothing (no reply, no heartbeat) for ``limit`` s."""
+        loop = asyncio.get_running_loop()
+        while not self.closed:
+            before = loop.time()
+            await asyncio.sleep(limit / 4)
+            if loop.time() - before > limit / 2:  # our own loop was blocked: frames may be waiting unread
+                continue
+            heard = max(self._replies.last_frame, self._idle_until)
+            if self._waiting and loop.time() - heard > limit:
+                self.shutdown(ConnectionError(
+                    f"peer ...{self.peer_id[-6:]} sent nothing for {loop.time() - heard:.1f} s (no reply, no "
+                    f"heartbeat) while requests were pending: it is gone or unreachable"))
 
     async def _read(self, replies) -> None:
         try:
@@ -262,12 +318,17 @@ class PeerStream:
                     timer.cancel()
                 if not future.done():
                     future.set_result((reply, output))
-            self.shutdown(ConnectionError(f"peer ...{self.peer_id[-6:]} closed the stream"))
+            end = self._replies.end.error if self._replies.end is not None else ""
+            reason = f"peer ...{self.peer_id[-6:]} closed the stream"
+            self.shutdown(ConnectionError(f"{reason}: {end}" if end else reason))
         except asyncio.CancelledError:
             raise
         except Exception as e:
             broke = ConnectionError(f"stream to peer ...{self.peer_id[-6:]} closed or broke: {e!r}")
             self.shutdown(e if isinstance(e, RequestError) else broke)
+        finally:
+            if self._writer is None or self._writer.done():
+                self._out.close()
 
 
 def _message(metadata: bytes) -> runtime_pb2.ExpertRequest:

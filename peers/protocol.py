@@ -19,15 +19,20 @@ from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import split_for_streaming
 
+from peers.wire_values import Mismatch, conform, type_name, unpack_map
+from privacy.errors import MembershipError
+
 MAX_REPLY_BYTES = 1 << 30  # clients accept replies up to this size
 CHUNK_BYTES = 1 << 20  # tensors travel in 1 MiB messages: big enough for the stream rate, small for memory
 WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+MAX_DIMS = 8  # a tensor on the wire has at most this many dimensions (ours have 1 to 4)
 
 M = TypeVar("M", bound="Message")
 
 
 class Message:
-    """A dataclass that packs to msgpack bytes and checks every field's type when unpacked."""
+    """A dataclass that packs to msgpack bytes and checks every field's type when unpacked (``ValueError`` if
+    malformed; lists element by element, see ``peers.wire_values``)."""
 
     _fields: ClassVar[dict[type, list[tuple[str, Any, bool]]]] = {}  # per class: (name, type, required)
 
@@ -48,24 +53,21 @@ class Message:
 
     @classmethod
     def from_bytes(cls: type[M], data: bytes) -> M:
-        try:
-            raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
-        except Exception as e:
-            raise ValueError(f"malformed {cls.__name__}: {e}") from e
-        if not isinstance(raw, dict):
-            raise ValueError(f"malformed {cls.__name__}: expected a map")
+        return cls.from_map(unpack_map(data, cls.__name__))
+
+    @classmethod
+    def from_map(cls: type[M], raw: dict) -> M:
+        """The message from an unpacked msgpack map; unknown keys are ignored (fields of newer versions)."""
         kwargs = {}
         for name, expected, required in cls._schema():
             if name not in raw:
                 if required:
                     raise ValueError(f"malformed {cls.__name__}: missing field {name!r}")
                 continue
-            value = raw[name]
-            if expected is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
-            if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-                raise ValueError(f"malformed {cls.__name__}: field {name!r} must be {expected.__name__}")
-            kwargs[name] = value
+            try:
+                kwargs[name] = conform(raw[name], expected)
+            except Mismatch:
+                raise ValueError(f"malformed {cls.__name__}: field {name!r} must be {type_name(expected)}") from None
         return cls(**kwargs)
 
 
@@ -104,15 +106,15 @@ class InferenceStep(Message):
     cache back to it. All parts have the same number of new tokens.
     """
 
-    session_ids: list  # of str
-    positions: list  # of int
+    session_ids: list[str]
+    positions: list[int]
 
 
 @dataclasses.dataclass(frozen=True)
 class InferenceClose(Message):
     """Free these sessions now, or with ``detach`` keep them (until the timeout) for a resume elsewhere."""
 
-    session_ids: list  # of str
+    session_ids: list[str]
     detach: bool = False
 
 
@@ -123,6 +125,7 @@ class InferenceHello(Message):
 
     hello: bytes = b""
     proof: bytes = b""
+    heartbeat: bool = False  # ask the peer for a heartbeat every HEARTBEAT_PERIOD s while it works on our requests
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,11 +136,11 @@ class TrainOpen(Message):
     run_id: str
     start: int
     end: int
-    optim: dict
+    optim: dict[str, Any]
     accumulation: int
     keep_activations: bool = True  # keep each micro-batch's graph until its backward (else recompute)
     checkpoint_every: int = 0  # save weights + AdamW state every N optimizer steps (0: never)
-    replicas: list = dataclasses.field(default_factory=list)  # peer ids of the run's other replicas of this span
+    replicas: list[str] = dataclasses.field(default_factory=list)  # peer ids of the run's other replicas of this span
     average_every: int = 0  # H: average parameters with the replicas every H local steps (0: never)
     outer_lr: float = 1.0  # DiLoCo outer step: Nesterov SGD on (anchor - average); lr 1, momentum 0 = plain mean
     outer_momentum: float = 0.0
@@ -193,11 +196,13 @@ class InferenceReply(Message):
     (its session stays as it was). The tensor holds the outputs of the accepted parts, in order."""
 
     error: str = ""
-    errors: list = dataclasses.field(default_factory=list)  # of str, one per part of a step
+    errors: list[str] = dataclasses.field(default_factory=list)  # one per part of a step
     length: int = 0  # tokens the session holds after an open
     handshake: bytes = b""  # the peer's handshake reply to a hello
     step: int = 0  # training: optimizer steps this stage has done
     compute_ms: float = 0.0  # training: time this request spent computing on the peer
+    heartbeat: float = 0.0  # in a hello's reply: the period of the heartbeats the peer will send (0: none)
+    alive: bool = False  # a heartbeat: not a reply to any request
 
 
 INFERENCE_KINDS: dict[str, type[Message]] = {
@@ -216,13 +221,12 @@ def pack_inference(message: Message) -> bytes:
 
 def unpack_inference(data: bytes) -> Message:
     """Parse an inference request; ``ValueError`` if it is malformed or of an unknown kind."""
-    try:
-        kind = msgpack.unpackb(data, raw=False).get("kind")
-    except Exception as e:
-        raise ValueError(f"malformed inference request: {e}") from e
-    if kind not in INFERENCE_KINDS:
-        raise ValueError(f"unknown inference request kind {kind!r}; expected one of {sorted(INFERENCE_KINDS)}")
-    return INFERENCE_KINDS[kind].from_bytes(data)
+    raw = unpack_map(data, "inference request")
+    kind = raw.get("kind")
+    if not isinstance(kind, str) or kind not in INFERENCE_KINDS:  # e.g. {"kind": []}: unhashable (finding 7)
+        shown = repr(kind[:64]) if isinstance(kind, str) else f"of type {type(kind).__name__}"
+        raise ValueError(f"unknown inference request kind {shown}; expected one of {sorted(INFERENCE_KINDS)}")
+    return INFERENCE_KINDS[kind].from_map(raw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,14 +251,40 @@ class StageInfo(Message):
     inference_steps: int = 0  # session steps served so far
     inference_batches: int = 0  # batched forwards that ran them (fewer than steps when batching works)
     train_steps: int = 0  # optimizer steps of the training run this peer takes part in
+    opens_waiting: int = 0  # session opens waiting for cache space
 
 
 class RequestError(ValueError):
     """A peer refused a request; the message says why and what to change."""
 
 
+NOT_ADMITTED = "not admitted"  # how a private swarm's peer refuses a non-member, or a revoked or expired one
+
+
+class NotAdmittedError(MembershipError, RequestError):
+    """A peer refused us as no member (no, expired or revoked certificate): final, every member answers the same
+    until the swarm owner issues a new invite."""
+
+
+CAPACITY_REFUSAL = "busy:"  # how a refusal for lack of capacity starts: retry later or elsewhere, not a failure
+
+
+class CapacityError(RequestError):
+    """A peer has no room for this request now (its cache, or this client's share of it, is full)."""
+
+
+HEARTBEAT_METADATA = InferenceReply(alive=True).to_bytes()  # a heartbeat frame's metadata (and no tensor)
+HEARTBEAT_PERIOD = 1.0  # seconds between a peer's heartbeats on a stream whose requests it is working on
+INFERENCE_HANDLE = "fusionswarm.StageService.rpc_inference"  # the stream's handle (framed by peers.framing)
+
+
 class StageService(ServicerBase):
-    """The RPCs of a stage peer. Handle names are fixed so that any subclass serves the same protocol."""
+    """The unary RPCs of a stage peer. Handle names are fixed so that any subclass serves the same protocol.
+
+    The long-lived stream (``INFERENCE_HANDLE``) that carries every tensor between a client and the peer is not a
+    hivemind protobuf handler: ``peers.framing`` reads it with a size cap and a deadline-safe queue. It carries
+    a hello (handshake + admission), then forwards, inference sessions (open, steps, close) and training calls.
+    """
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
@@ -264,14 +294,6 @@ class StageService(ServicerBase):
     async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertInfo:
         """``request.metadata`` is an ``InfoRequest``; the reply's ``serialized_info`` a ``StageInfo``."""
         raise NotImplementedError
-
-    async def rpc_inference(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """The one long-lived stream that carries every tensor between a client and this peer: a hello
-        (handshake + admission), then forwards, inference sessions (open, steps, close) and training calls."""
-        raise NotImplementedError
-        yield  # pragma: no cover
 
 
 def sealer(channel) -> Callable[[bytes, bytes], bytes] | None:
@@ -320,7 +342,8 @@ async def read_tensor_messages(
 
     ``first``, if given, is a message already taken from ``stream``. Reads exactly the tensor's chunks, so
     a long-lived stream can carry many tensors one after another. Raises ``RequestError`` if the stream
-    ends early, the chunks are malformed or exceed ``max_bytes``.
+    ends early, the chunks are malformed or exceed ``max_bytes`` (or declare more chunks than ``max_bytes``
+    allows: a tensor is kept as its chunks' buffers only, never more of them), ``unseal``'s error if it refuses.
     """
     if first is None:
         try:
@@ -329,8 +352,9 @@ async def read_tensor_messages(
             raise RequestError("stream ended before any tensor") from None
     if len(first.tensors) != 1:
         raise RequestError(f"expected one tensor per message, got {len(first.tensors)}")
-    parts, expected = [first.tensors[0]], max(1, first.tensors[0].chunks)
-    received, count = len(first.tensors[0].buffer) + len(first.metadata), 1
+    head = first.tensors[0]
+    expected, most = max(1, head.chunks), max(1, -(-max_bytes // CHUNK_BYTES))
+    buffers, received, count = [head.buffer], len(head.buffer) + len(first.metadata), 1
     while count < expected:  # an oversized tensor is still read to its end (and dropped): the stream stays in step
         try:
             message = await anext(stream)
@@ -340,31 +364,38 @@ async def read_tensor_messages(
             raise RequestError("malformed stream: a chunk message must carry exactly one tensor part")
         received += len(message.tensors[0].buffer) + len(message.metadata)
         count += 1
-        if received <= max_bytes:
-            parts.append(message.tensors[0])
+        if received <= max_bytes and expected <= most:
+            buffers.append(message.tensors[0].buffer)
         else:
-            parts.clear()
+            buffers.clear()
     if received > max_bytes:
         raise RequestError(f"request exceeds this peer's limit of {max_bytes} bytes; send smaller batches")
-    serialized = runtime_pb2.Tensor()
-    serialized.CopyFrom(parts[0])
-    serialized.buffer = b"".join(p.buffer for p in parts)
+    if expected > most:
+        raise RequestError(f"tensor declares {expected} chunks; at most {most} fit this peer's limit of {max_bytes} B")
+    serialized = runtime_pb2.Tensor(size=head.size, dtype=head.dtype, compression=head.compression,
+                                    buffer=b"".join(buffers))
     if unseal is not None:
         serialized.buffer = unseal(serialized.buffer, first.metadata)
     return first.metadata, decode_tensor(serialized)
 
 
 def decode_tensor(serialized: runtime_pb2.Tensor) -> torch.Tensor:
-    """Deserialize a tensor, turning any failure into a ``RequestError``."""
+    """An uncompressed tensor of a wire dtype whose buffer matches its shape (checked before anything is
+    allocated; never requiring grad), else ``RequestError``."""
     if serialized.dtype not in WIRE_DTYPES:
-        raise RequestError(f"dtype {serialized.dtype!r} is not accepted; send one of {sorted(WIRE_DTYPES)}")
+        raise RequestError(f"dtype {serialized.dtype[:32]!r} is not accepted; send one of {sorted(WIRE_DTYPES)}")
+    if serialized.compression != runtime_pb2.CompressionType.NONE:
+        raise RequestError(f"malformed tensor: compression type {serialized.compression} is not accepted; "
+                           f"send uncompressed (NONE) tensors")
+    if len(serialized.size) > MAX_DIMS:
+        raise RequestError(f"malformed tensor: {len(serialized.size)} dimensions, at most {MAX_DIMS} accepted")
     numel = math.prod(serialized.size)
-    itemsize = torch.empty((), dtype=WIRE_DTYPES[serialized.dtype]).element_size()
-    sizes = {numel * itemsize, numel * 4}  # hivemind's legacy bfloat16 mode sends fp32
-    if serialized.compression == runtime_pb2.CompressionType.NONE and len(serialized.buffer) not in sizes:
+    legacy = {numel * 4} if serialized.dtype == "bfloat16" else set()  # hivemind's legacy bfloat16 mode sends fp32
+    sizes = {numel * WIRE_DTYPES[serialized.dtype].itemsize, *legacy}
+    if len(serialized.buffer) not in sizes:
         shape = tuple(serialized.size)
         raise RequestError(f"tensor of shape {shape} does not match its {len(serialized.buffer)} bytes")
     try:
-        return deserialize_torch_tensor(serialized)
+        return deserialize_torch_tensor(serialized).detach()
     except Exception as e:
         raise RequestError(f"malformed tensor: {e}") from e

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 import time
@@ -11,14 +10,13 @@ from collections.abc import Iterator
 import msgpack
 import pytest
 import torch
-from hivemind.p2p import PeerID
 
 from peers.client import SwarmClient
 from peers.config import ClientConfig, SwarmConfig
 from peers.launch import LocalSwarm
 from peers.model import LocalModel
 from peers.peer_stream import PeerStream
-from peers.protocol import InferenceStep, RequestError, StageService, pack_inference
+from peers.protocol import InferenceStep, RequestError, pack_inference
 from privacy.errors import MembershipError
 from swarm.discovery import announce
 from swarm.keys import peers_key
@@ -72,9 +70,7 @@ def test_non_member_reads_no_records_and_its_calls_are_refused(private_swarm, ll
             outsider.loop.run(PeerStream.connect(outsider.node.p2p, peer_id, timeout=10))
 
         async def plaintext_step_without_hello():  # skipping the hello does not skip admission
-            stream = PeerStream(outsider.node.p2p, peer_id)
-            stub = StageService.get_stub(outsider.node.p2p, PeerID.from_base58(peer_id))
-            stream._reader = asyncio.create_task(stream._read(await stub.rpc_inference(stream._requests())))
+            stream = await PeerStream.without_hello(outsider.node.p2p, peer_id)
             try:
                 reply, _ = await stream._request(pack_inference(InferenceStep(session_ids=["s"], positions=[0])),
                                                  torch.randn(1, 2, 64), 10)
