@@ -71,6 +71,11 @@ def _parser() -> argparse.ArgumentParser:
                       help="inference KV cache budget in tokens (batch rows x max_length, all sessions)")
     peer.add_argument("--session_timeout", type=float, default=60.0,
                       help="seconds an idle or disconnected inference session keeps its cache")
+    peer.add_argument("--client_cache_share", type=float, default=0.5,
+                      help="fraction of --cache_tokens one client may always hold; beyond it, only while no "
+                           "other client waits for cache space (default 0.5)")
+    peer.add_argument("--cache_wait", type=float, default=2.0,
+                      help="seconds a session open that does not fit waits for space before it is refused")
     peer.add_argument("--allow_plaintext", action="store_true",
                       help="also serve inference streams that skip encryption (for benchmarks and debugging)")
     peer.add_argument("--no_train", action="store_true", help="refuse training runs (serve inference only)")
@@ -174,6 +179,7 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         max_batch_tokens=args.max_batch_tokens, max_request_bytes=args.max_request_bytes,
         request_timeout=args.request_timeout, update_period=args.update_period, throughput=args.throughput,
         cache_dir=args.cache_dir, cache_tokens=args.cache_tokens, session_timeout=args.session_timeout,
+        client_cache_share=args.client_cache_share, cache_wait=args.cache_wait,
         require_encryption=not args.allow_plaintext, train=not args.no_train, checkpoint_dir=args.checkpoint_dir,
     )
     if args.num_threads:

@@ -75,6 +75,8 @@ class StageServerConfig:
     cache_dir: Path = DEFAULT_CACHE_DIR
     cache_tokens: int = 16384  # inference KV cache budget: batch rows x max_length summed over sessions
     session_timeout: float = 60.0  # seconds an idle or disconnected session keeps its cache
+    client_cache_share: float = 0.5  # of cache_tokens one client may always hold; more only while nobody waits
+    cache_wait: float = 2.0  # seconds an open that does not fit waits for space before it is refused
     require_encryption: bool = True  # refuse inference streams that skip the handshake (plaintext tensors)
     train: bool = True  # take part in training runs (trains the served weights in place)
     checkpoint_dir: Path | None = None  # training: save/resume weights + AdamW state of our blocks here
@@ -97,6 +99,10 @@ class StageServerConfig:
                      "cache_tokens", "session_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if not 0 < self.client_cache_share <= 1:
+            raise ValueError("--client_cache_share must be in (0, 1]")
+        if not 0 <= self.cache_wait < self.request_timeout:
+            raise ValueError("--cache_wait must be >= 0 and below --request_timeout")
         self.cache_dir = Path(self.cache_dir)
 
 

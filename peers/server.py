@@ -75,7 +75,8 @@ class StageServer:
             blocks = load_blocks(self.config.model_dir, start, end, device=self.device, dtype=self.dtype)
             throughput = self.config.throughput or self._measure(blocks)
             sessions = SessionRegistry(cache_tokens=self.config.cache_tokens, timeout=self.config.session_timeout,
-                                       max_length_limit=self.model_config.max_position_embeddings)
+                                       max_length_limit=self.model_config.max_position_embeddings,
+                                       client_share=self.config.client_cache_share, cache_wait=self.config.cache_wait)
             backend = StageBackend(
                 blocks, start=start, device=self.device, dtype=self.dtype,
                 max_batch_tokens=self.config.max_batch_tokens, active_sessions=sessions.attached_count,

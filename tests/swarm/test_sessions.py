@@ -23,11 +23,15 @@ CACHE_TOKENS, TIMEOUT = 200, 2.0
 
 @pytest.fixture(scope="module")
 def small_peer(llama_dir, tmp_path_factory) -> Iterator[tuple[LocalSwarm, str]]:
-    """One peer with all 8 blocks, a 200-token cache budget and a 2 s session timeout."""
+    """One peer with all 8 blocks, a 200-token cache budget and a 2 s session timeout.
+
+    An open that does not fit is refused at once (``--cache_wait 0``): a wait as long as the timeout would end with
+    the idle session that filled the cache reaped. Waiting for space is tested in ``test_sessions_fairness.py``.
+    """
     with LocalSwarm(tmp_path_factory.mktemp("sessions"), update_period=2.0) as swarm:
         swarm.start_dht()
-        peer = swarm.start_peer(llama_dir, block_indices="0:8",
-                                extra=["--cache_tokens", str(CACHE_TOKENS), "--session_timeout", str(TIMEOUT)])
+        peer = swarm.start_peer(llama_dir, block_indices="0:8", extra=[
+            "--cache_tokens", str(CACHE_TOKENS), "--session_timeout", str(TIMEOUT), "--cache_wait", "0"])
         yield swarm, peer.peer_id
 
 
