@@ -44,8 +44,16 @@ def unpack_map(data: bytes, what: str) -> dict:
     if not isinstance(obj, dict):
         raise MembershipError(f"malformed {what}: expected a msgpack map, got {type(obj).__name__}")
     if obj.get("v") != WIRE_VERSION:
-        raise MembershipError(f"{what} has version {obj.get('v')!r}, this build reads {WIRE_VERSION}; upgrade")
+        raise MembershipError(f"{what} has version {shown(obj.get('v'))}, this build reads {WIRE_VERSION}; upgrade")
     return obj
+
+
+def shown(value: Any) -> str:
+    """A short repr of an untrusted value for an error message (a nested list's repr may be huge, or recurse
+    past Python's limit)."""
+    if isinstance(value, (str, bytes, int, float, type(None))):
+        return repr(value[:64] if isinstance(value, (str, bytes)) else value)
+    return f"a {type(value).__name__}"
 
 
 def checked(obj: dict, name: str, kind: type | tuple[type, ...], what: str, size: int | None = None) -> Any:
@@ -197,7 +205,7 @@ class MemberCredentials:
         what = "member credentials"
         obj = unpack_map(data, what)
         if obj.get("kind") != "member":
-            raise MembershipError(f"malformed {what}: this is a {obj.get('kind')!r} file, not member credentials")
+            raise MembershipError(f"malformed {what}: this is a {shown(obj.get('kind'))} file, not member credentials")
         return cls(certificate=Certificate.from_bytes(checked(obj, "cert", bytes, what)),
                    swarm_secret=checked(obj, "secret", bytes, what, SECRET_SIZE),
                    owner_key=checked(obj, "owner", bytes, what, PUBLIC_KEY_SIZE))

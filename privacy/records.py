@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 
+import msgpack
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -131,7 +132,9 @@ class PrivateRecordValidator(RecordValidatorBase):
     def validate(self, record: DHTRecord) -> bool:
         try:
             nonce, ciphertext, signature = self._envelope(record)
-            subkey = MSGPackSerializer.loads(record.subkey)
+            # plain msgpack, not hivemind's serializer: its ext hook recurses through C for nested tuples, and a
+            # 1 KiB subkey of nested tuples overflows the C stack (a segfault); a valid subkey is a plain str
+            subkey = msgpack.unpackb(record.subkey, raw=False)
             signer = public_key_of(subkey) if isinstance(subkey, str) else None
         except (PrivacyError, ValueError, TypeError) as e:
             logger.debug("refusing record under subkey %r: %s", record.subkey[:80], e)

@@ -42,13 +42,14 @@ class PeerRecord:
     wire: int = WIRE_VERSION
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.peer_id, str) and _PEER_ID_RE.fullmatch(self.peer_id), f"bad peer_id {self.peer_id!r}")
+        peer_id_ok = isinstance(self.peer_id, str) and _PEER_ID_RE.fullmatch(self.peer_id)
+        _check(peer_id_ok, f"bad peer_id {_shown(self.peer_id)}")
         _check(isinstance(self.model, str) and 0 < len(self.model) <= _MAX_TEXT, "bad model name")
         _check(_is_int(self.start) and _is_int(self.end), "start/end must be integers")
         _check(0 <= self.start < self.end, f"bad block range {self.start}:{self.end}")
-        _check(isinstance(self.state, PeerState), f"bad state {self.state!r}")
-        _check(_is_number(self.throughput) and self.throughput >= 0, f"bad throughput {self.throughput!r}")
-        _check(self.dtype in _DTYPES, f"bad dtype {self.dtype!r}")
+        _check(isinstance(self.state, PeerState), f"bad state {_shown(self.state)}")
+        _check(_is_number(self.throughput) and self.throughput >= 0, f"bad throughput {_shown(self.throughput)}")
+        _check(isinstance(self.dtype, str) and self.dtype in _DTYPES, f"bad dtype {_shown(self.dtype)}")
         for name in ("device", "public_name", "version"):
             value = getattr(self, name)
             _check(isinstance(value, str) and len(value) <= _MAX_TEXT, f"bad {name}")
@@ -57,6 +58,7 @@ class PeerRecord:
             "addresses must be strings",
         )
         _check(_is_int(self.max_batch_size) and self.max_batch_size >= 1, "bad max_batch_size")
+        _check(_is_int(self.wire), "wire must be an integer")  # else the record would not even hash
 
     @property
     def num_blocks(self) -> int:
@@ -75,7 +77,7 @@ class PeerRecord:
 
     @classmethod
     def from_wire(cls, wire: Any) -> PeerRecord:
-        """Parse a record received from the DHT; raises ``ValueError`` on anything malformed."""
+        """Parse a record received from the DHT (any value hivemind's msgpack yields); ``ValueError`` if malformed."""
         if not isinstance(wire, dict):
             raise ValueError(f"record must be a dict, got {type(wire).__name__}")
         known = {f for f in cls.__dataclass_fields__}
@@ -84,13 +86,22 @@ class PeerRecord:
             raise ValueError(f"record lacks {sorted(missing)}")
         kwargs = {k: v for k, v in wire.items() if k in known}  # unknown fields: newer peers, ignored
         try:
+            if not isinstance(kwargs["state"], str):  # an Enum's own error would repr the value, whatever it is
+                raise ValueError
             kwargs["state"] = PeerState(kwargs["state"])
-        except ValueError as e:
-            raise ValueError(f"bad state {kwargs['state']!r}") from e
+        except ValueError:
+            raise ValueError(f"bad state {_shown(kwargs['state'])}") from None
         if not isinstance(kwargs.get("addresses", ()), (list, tuple)):  # tuple("/ip4/...") would split a string
             raise ValueError(f"addresses must be a list of strings, got {type(kwargs['addresses']).__name__}")
         kwargs["addresses"] = tuple(kwargs.get("addresses", ()))
         return cls(**kwargs)
+
+
+def _shown(value: Any) -> str:
+    """A short repr for an error message: an untrusted nested list's repr may be huge or exceed the recursion limit."""
+    if isinstance(value, (str, bytes, int, float, type(None))):
+        return repr(value[:64] if isinstance(value, (str, bytes)) else value)
+    return f"of type {type(value).__name__}"
 
 
 def _check(ok: Any, message: str) -> None:
