@@ -163,6 +163,7 @@ def _cmd_dht(args: argparse.Namespace) -> int:
             await stop.wait()
         finally:
             revocations.cancel()
+            await asyncio.wait([revocations])
             await node.shutdown()
 
     _run_until_signal(run)

@@ -111,7 +111,7 @@ class StageServer:
             if handler is not None:
                 await _quietly(handler.remove_p2p_handlers(self.node.p2p), "remove handlers")
             if reaper is not None:
-                reaper.cancel()
+                await _stop_background(reaper)
             if backend is not None:
                 await backend.shutdown()
             if handler is not None and handler.training is not None:
@@ -196,6 +196,14 @@ async def _quietly(coro, what: str) -> None:
     except Exception as e:
         logger.info("Could not %s (%s); the p2p daemon may have stopped first. Our record expires by itself.",
                     what, type(e).__name__)
+
+
+async def _stop_background(gathered: asyncio.Future) -> None:
+    """Cancel the gathered background tasks and wait for them, retrieving the outcome (no "never retrieved" log)."""
+    gathered.cancel()
+    await asyncio.wait([gathered])
+    if not gathered.cancelled():
+        gathered.exception()  # the cancellation itself, or an error the caller already raised
 
 
 async def _reap_forever(sessions: SessionRegistry) -> None:
