@@ -153,7 +153,7 @@ def _cmd_dht(args: argparse.Namespace) -> int:
     async def run(stop: asyncio.Event) -> None:
         node = await start_node(
             host_maddrs=swarm.host_maddrs, announce_maddrs=swarm.announce_maddrs, identity=identity,
-            record_validator=admission.record_validator(),
+            identity_path=swarm.identity_path, record_validator=admission.record_validator(),
         )
         revocations = asyncio.ensure_future(keep_revocations(node, admission, period=15.0))
         try:

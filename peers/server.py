@@ -63,6 +63,7 @@ class StageServer:
             host_maddrs=swarm.host_maddrs,
             announce_maddrs=swarm.announce_maddrs,
             identity=self.identity,
+            identity_path=swarm.identity_path,  # locked while we run: a second peer with it is refused
             record_validator=self.admission.record_validator(),
         )
         announcer = backend = handler = reaper = links = None

@@ -6,6 +6,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import RecordValidatorBase
@@ -13,10 +14,13 @@ from hivemind.utils import get_dht_time
 
 from privacy._files import write_private
 from privacy.identity import Identity
-from privacy.peer_ids import libp2p_key_file, libp2p_private_key
+from privacy.peer_ids import libp2p_private_key, peer_id_of
 from swarm import safe_msgpack
 from swarm.keys import peers_key
 from swarm.records import PeerRecord
+from swarm.startup_checks import IdentityClaim, StartupRefused, check_identity_offline, check_ports_free
+
+__all__ = ["StartupRefused", "SwarmNode", "announce", "fetch_records", "start_node", "visible_maddrs"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +79,25 @@ async def fetch_records(node: DHTNode, model: str) -> Snapshot:
     return Snapshot(sorted(records, key=lambda r: r.peer_id), sealed)
 
 
+class SwarmNode(DHTNode):
+    """A ``DHTNode`` that holds its identity file's :class:`IdentityClaim` until it shuts down."""
+
+    identity_claim: IdentityClaim | None = None
+
+    async def shutdown(self) -> None:
+        try:
+            await super().shutdown()
+        finally:
+            if self.identity_claim is not None:
+                self.identity_claim.release()
+
+
 async def start_node(
     *,
     initial_peers: Sequence[str] = (),
     host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
     announce_maddrs: Sequence[str] = (),
-    identity_path: str | None = None,
+    identity_path: str | Path | None = None,
     identity: Identity | None = None,
     client_mode: bool = False,
     wait_timeout: float = 5.0,
@@ -89,23 +106,47 @@ async def start_node(
     """Start a DHT node with its own p2p daemon, joined to ``initial_peers`` (none: a new swarm).
 
     The node's peer id is the public key of its Ed25519 identity: ``identity`` if given (already loaded by the
-    caller), else the one in ``identity_path`` (created, mode 0600, if missing; the id then survives
-    restarts), else one the daemon makes up. A client can check a peer's handshake against the id it dialled.
-    ``record_validator`` (a private swarm's, from ``privacy.admission``) signs, encrypts and checks every record.
+    caller, from ``identity_path`` if that is given too), else the one in ``identity_path`` (created, mode 0600,
+    if missing; the id then survives restarts), else one the daemon makes up. A client can check a peer's
+    handshake against the id it dialled. ``record_validator`` (a private swarm's, from ``privacy.admission``)
+    signs, encrypts and checks every record.
+
+    Refuses to start (:class:`StartupRefused`) when a fixed port of ``host_maddrs`` is taken, and, with
+    ``identity_path``, when another node on this machine runs with that file (it stays locked until
+    ``shutdown``) or a node with this peer id is already reachable through ``initial_peers``.
     """
     safe_msgpack.install()  # else one DHT message of ~200 nested tuples segfaults this process
+    check_ports_free(host_maddrs)
+    claim = None
+    if identity_path is not None:
+        if identity is None:
+            identity = Identity.load_or_create(identity_path)
+        claim = IdentityClaim(identity_path)
+    try:
+        if claim is not None and initial_peers:
+            await check_identity_offline(peer_id_of(identity.public_bytes), identity_path, initial_peers)
+        node = await _create_node(initial_peers, host_maddrs, announce_maddrs, identity, client_mode, wait_timeout,
+                                  record_validator)
+    except BaseException:
+        if claim is not None:
+            claim.release()
+        raise
+    node.identity_claim = claim
+    return node
+
+
+async def _create_node(initial_peers: Sequence[str], host_maddrs: Sequence[str], announce_maddrs: Sequence[str],
+                       identity: Identity | None, client_mode: bool, wait_timeout: float,
+                       record_validator: RecordValidatorBase | None) -> SwarmNode:
     with tempfile.TemporaryDirectory(prefix="fusionswarm-id-") as tmp:
         options = {}
-        if identity is None and identity_path is not None:
-            options["identity_path"] = str(libp2p_key_file(identity_path))
-        elif identity is not None:  # the daemon reads the key once at start; the file goes with the folder
+        if identity is not None:  # the daemon reads the key once at start; the file goes with the folder
             key_path = os.path.join(tmp, "p2p.key")
             write_private(key_path, libp2p_private_key(identity), what="libp2p key")
-            options["identity_path"] = key_path
-        if options:  # hivemind's "is this identity already online" probe reads only RSA keys
-            options["check_if_identity_free"] = False
+            # hivemind's "is this identity already online" probe reads only RSA keys: start_node does its own
+            options.update(identity_path=key_path, check_if_identity_free=False)
         try:
-            return await DHTNode.create(
+            return await SwarmNode.create(
                 initial_peers=list(initial_peers),
                 host_maddrs=list(host_maddrs),
                 announce_maddrs=list(announce_maddrs) or None,
