@@ -47,6 +47,7 @@ from privacy.channel import ClientHandshake, accept_handshake
 from privacy.errors import ChannelError
 from privacy.identity import Identity
 
+RUN = asyncio.new_event_loop().run_until_complete  # one loop for every example: asyncio.run costs ms each
 CLASSES = sorted({*INFERENCE_KINDS.values(), InferenceReply, StageInfo, InfoRequest}, key=lambda c: c.__name__)
 
 
@@ -154,6 +155,19 @@ def test_list_and_dict_fields_are_checked_inside(raw, match):
         unpack_inference(pack(raw))
 
 
+def test_metadata_size_is_capped_before_unpacking():
+    """4 MiB of one-element lists (4M containers) took 2 s of the event loop to unpack; the cap refuses it at once."""
+    data = b"\xdd" + (4000).to_bytes(4, "big") + (b"\x91" * 1000 + b"\xc0") * 4000
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match="bytes of metadata"):
+        unpack_inference(data)
+    with pytest.raises(ValueError, match="bytes of metadata"):
+        InferenceReply.from_bytes(data)
+    assert time.perf_counter() - started < 0.1
+    steps = InferenceStep(session_ids=[f"{i:064x}" for i in range(512)], positions=[(1 << 62) + i for i in range(512)])
+    assert unpack_inference(pack_inference(steps)) == steps  # the largest step a client sends still fits
+
+
 def test_reply_errors_are_strings():
     with pytest.raises(ValueError, match=r"'errors' must be list\[str\]"):
         InferenceReply.from_bytes(pack({"errors": ["", {}]}))  # a falsy non-string read as "accepted"
@@ -252,7 +266,7 @@ def chunk_streams(draw) -> list:
 
 @given(chunk_streams(), st.integers(0, 1500))
 def test_read_tensor_messages(messages, max_bytes):
-    result, taken = asyncio.run(_collect(messages, max_bytes))
+    result, taken = RUN(_collect(messages, max_bytes))
     declared = max(1, messages[0].tensors[0].chunks) if len(messages[0].tensors) == 1 else 1
     assert taken <= declared  # never reads into the next request
     if result is not None:
@@ -293,7 +307,7 @@ def test_reader_keeps_no_more_chunks_than_max_bytes_allows(declared, size, max_b
             yield SimpleNamespace(metadata=b"", tensors=[SimpleNamespace(buffer=Counted(b"x" * size))])
 
     with pytest.raises(RequestError, match="stream ended after|declares|exceeds"):
-        asyncio.run(read_tensor_messages(stream(), max_bytes))
+        RUN(read_tensor_messages(stream(), max_bytes))
     assert peak <= most + 8  # a few more are alive in the generator and the reader's locals
 
 
@@ -304,24 +318,27 @@ def _channels():
     return client.finish(reply), peer
 
 
+CHANNELS = _channels()  # one session for all examples: each must leave it usable for the next
+
+
 @given(st.data())
 def test_sealed_tensor_tampered_in_transit(data):
     """A tampered sealed chunk is refused (ChannelError, or RequestError if its sizes broke), and the next
     genuine tensor still opens: one forgery does not kill the session."""
-    client, peer = _channels()
+    client, peer = CHANNELS
     tensor = torch.randn(data.draw(st.integers(1, 3)), data.draw(st.integers(1, 40)))
     messages = list(tensor_messages(tensor, b"meta", seal=sealer(client)))
     index = data.draw(st.integers(0, len(messages) - 1))
     part = messages[index].tensors[0]
     part.buffer = data.draw(mutated(part.buffer))
     try:
-        result, _ = asyncio.run(_collect(messages, 1 << 20, unseal=unsealer(peer)))
+        result, _ = RUN(_collect(messages, 1 << 20, unseal=unsealer(peer)))
     except ChannelError:
         result = None
     if result is not None:
         assert torch.equal(result[1], tensor)
     again = torch.randn(2, 3)
-    good, _ = asyncio.run(_collect(list(tensor_messages(again, b"m2", seal=sealer(client))), 1 << 20,
+    good, _ = RUN(_collect(list(tensor_messages(again, b"m2", seal=sealer(client))), 1 << 20,
                                    unseal=unsealer(peer)))
     assert torch.equal(good[1], again)
 
@@ -331,6 +348,6 @@ def test_compressed_legacy_and_metadata_edge_cases_round_trip():
     for dtype in WIRE_DTYPES.values():
         for shape in [(0, 3), (2, 3, 4), ()]:
             tensor = torch.randn(shape).to(dtype)
-            (result, taken) = asyncio.run(_collect(list(tensor_messages(tensor, b"")), 1 << 20))
+            (result, taken) = RUN(_collect(list(tensor_messages(tensor, b"")), 1 << 20))
             assert taken == 1 and torch.equal(result[1], tensor)
     assert msgpack.unpackb(pack_inference(InferenceStep(["a"], [1])))["kind"] == "step"
