@@ -14,6 +14,7 @@ import json
 import time
 from pathlib import Path
 
+from privacy._files import append_private, secure_existing, write_private
 from privacy.errors import MembershipError
 from privacy.identity import Identity
 from privacy.membership import Revocation, SwarmOwner
@@ -45,7 +46,8 @@ def add_membership_commands(sub) -> None:
     revoke.add_argument("--name", nargs="*", default=[], help="revoke every certificate issued under these names")
     revoke.add_argument("--serial", nargs="*", default=[], help="revoke these certificate serials")
     revoke.add_argument("--out", type=Path, default=None,
-                        help="revocation file (default: next to the owner key); earlier revocations in it are kept")
+                        help="revocation file (default: next to the owner key, mode 0600); earlier revocations in it "
+                             "are kept")
     revoke.add_argument("--initial_peers", nargs="+", default=[], help="publish the revocation to this swarm")
     revoke.set_defaults(func=_cmd_revoke)
 
@@ -94,9 +96,8 @@ def _cmd_invite(args: argparse.Namespace) -> int:
     credentials = owner.invite(_member_key(args.member_key), args.name, ttl=args.days * DAY)
     credentials.save(args.out)
     cert = credentials.certificate
-    with ledger_path(args.owner_key).open("a") as ledger:
-        ledger.write(json.dumps({"name": cert.name, "serial": cert.serial, "key": cert.member_key.hex(),
-                                 "expires_at": cert.expires_at}) + "\n")
+    entry = {"name": cert.name, "serial": cert.serial, "key": cert.member_key.hex(), "expires_at": cert.expires_at}
+    append_private(ledger_path(args.owner_key), (json.dumps(entry) + "\n").encode(), what="member ledger")
     print(f"Invited {cert.name!r} (serial {cert.serial}) until "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(cert.expires_at))}.\n"
           f"Hand {args.out} to the member privately; it joins with --private {args.out} --identity_path ITS_ID")
@@ -106,6 +107,8 @@ def _cmd_invite(args: argparse.Namespace) -> int:
 def serials_for(owner_key: Path, names: list[str]) -> list[str]:
     """Every serial the owner issued under ``names`` (from its ledger)."""
     path, wanted, found = ledger_path(owner_key), set(names), []
+    if path.exists():
+        secure_existing(path, what="member ledger")
     entries = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     for entry in entries:
         if entry.get("name") in wanted:
@@ -122,9 +125,12 @@ def _cmd_revoke(args: argparse.Namespace) -> int:
     if not serials:
         raise ValueError("pass --name or --serial: which certificates to revoke")
     out = args.out or default_revocation_path(args.owner_key)
-    previous = Revocation.from_bytes(out.read_bytes()) if out.exists() else None
+    previous = None
+    if out.exists():
+        secure_existing(out, what="revocation")
+        previous = Revocation.from_bytes(out.read_bytes())
     revocation = owner.revoke(serials, previous)
-    out.write_bytes(revocation.to_bytes())
+    write_private(out, revocation.to_bytes(), what="revocation", overwrite=True)  # 0600, complete or not at all
     print(f"Revocation of {len(revocation.serials)} certificate(s) saved to {out}")
     if args.initial_peers:
         asyncio.run(publish(owner, revocation, args.initial_peers))
