@@ -144,7 +144,7 @@ def _swarm_config(args: argparse.Namespace) -> SwarmConfig:
 def _cmd_dht(args: argparse.Namespace) -> int:
     from peers.access import load_admission, load_identity
     from swarm.discovery import start_node, visible_maddrs
-    from swarm.revocations import keep_revocations
+    from swarm.revocations import keep_revocations, serve_until
 
     swarm = _swarm_config(args)
     identity = load_identity(swarm)
@@ -160,7 +160,7 @@ def _cmd_dht(args: argparse.Namespace) -> int:
             maddrs = await visible_maddrs(node)
             print(f"To connect other peers to this one, use --initial_peers {' '.join(maddrs)}", flush=True)
             print(f"This is a {admission.describe()}", flush=True)
-            await stop.wait()
+            await serve_until(stop, revocations)  # or raise: our own certificate was revoked or expired
         finally:
             revocations.cancel()
             await asyncio.wait([revocations])

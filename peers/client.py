@@ -20,17 +20,17 @@ from peers.model import ModelConfig, load_blocks, load_client_parts
 from peers.peer_links import PeerLinks
 from peers.peer_stream import PeerStream
 from peers.protocol import InfoRequest, RequestError, StageInfo, StageService
-from peers.session import InferenceSession
+from peers.session import InferenceSession, classify
 from privacy.admission import proof_context
+from privacy.errors import MembershipError
 from privacy.peer_ids import public_key_of
-from swarm.discovery import fetch_records, start_node
+from swarm.discovery import Snapshot, fetch_records, start_node
 from swarm.keys import check_model_name
 from swarm.records import PeerRecord
 from swarm.revocations import keep_revocations
-from swarm.routing import MissingBlocksError, Router
+from swarm.routing import NoRouteError, Router
 
 logger = logging.getLogger(__name__)
-
 
 
 class SwarmClient:
@@ -82,7 +82,8 @@ class SwarmClient:
         except BaseException:
             self._loop.close()
             raise
-        # a private swarm: apply the owner's revocations and keep spreading them, like every member (no-op if public)
+        # a private swarm: apply the owner's revocations and keep spreading them, like every member (no-op if public);
+        # it ends with a MembershipError once our own certificate is revoked or expired, and every call raises it
         self._revocations = asyncio.run_coroutine_threadsafe(
             keep_revocations(self.node, self.admission, period=config.refresh_period), self._loop.loop)
         self._links = PeerLinks(self.node.p2p, self.admission, encrypt=config.encrypt,
@@ -187,20 +188,23 @@ class SwarmClient:
 
     # ---- async internals -------------------------------------------------------------------------
     async def run_blocks_async(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Through a chain of peers; a failing peer is banned and its span re-routed (bounded retries)."""
+        """Through a chain of peers; a failing peer is banned and its span re-routed (bounded retries).
+
+        A refusal (``RequestError``), being no member (``MembershipError``) or no route (``NoRouteError``: nobody
+        serves a span, all its peers are banned or busy, or the swarm is private) is raised at once."""
         position, failures = start, 0
         hidden = hidden.detach().to("cpu", self.dtype)
         while position < end:
             chain = await self.router.make_chain(position, end)
             for hop in chain:
-                t0 = time.perf_counter()
+                t0, started = time.perf_counter(), time.monotonic()
                 try:
                     hidden = await self.call_forward(hop.peer_id, hidden, hop.start, hop.end)
-                except (RequestError, MissingBlocksError):
+                except (RequestError, MembershipError, NoRouteError):
                     raise
                 except Exception as e:
                     failures += 1
-                    self.router.on_failure(hop.peer_id, e)
+                    self.router.on_failure(hop.peer_id, e, started=started)
                     if failures > self.config.max_retries:
                         raise RuntimeError(
                             f"blocks {hop.start}:{hop.end} failed {failures} times (last: {e}); "
@@ -215,14 +219,28 @@ class SwarmClient:
     async def call_forward(self, peer_id: str, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Blocks ``[start, end)`` of ``peer_id`` on ``hidden``, over this client's (encrypted) stream to it.
 
-        Raises ``RequestError`` if the peer refuses the request; a broken stream raises ``ConnectionError``.
+        Raises ``RequestError`` if the peer refuses the request (``NotAdmittedError`` if as no member); a broken
+        stream raises ``ConnectionError``.
         """
         stream = await self.peer_stream(peer_id)
-        return await stream.forward(start, end, hidden, timeout=self.config.request_timeout)
+        try:
+            return await stream.forward(start, end, hidden, timeout=self.config.request_timeout)
+        except RequestError as e:
+            raise classify(e) from None
 
     async def peer_stream(self, peer_id: str) -> PeerStream:
-        """This client's stream to ``peer_id`` (opened on first use, replaced once it breaks)."""
+        """This client's stream to ``peer_id`` (opened on first use, replaced once it breaks).
+
+        ``MembershipError`` if our own certificate was revoked or expired, or the peer does not admit us."""
+        self.check_membership()
         return await self._links.get(peer_id)
+
+    def check_membership(self) -> None:
+        """Raise ``MembershipError`` once this client learned (from the revocations it syncs) that its own
+        certificate was revoked or has expired; nothing in a public swarm."""
+        watch = self._revocations
+        if watch.done() and not watch.cancelled() and isinstance(watch.exception(), MembershipError):
+            raise MembershipError(str(watch.exception()))
 
     async def _info(self, peer_id: str) -> StageInfo:
         stub = StageService.get_stub(self.node.p2p, PeerID.from_base58(peer_id))
@@ -231,8 +249,10 @@ class SwarmClient:
         reply = await stub.rpc_info(request, timeout=self.config.request_timeout)
         return StageInfo.from_bytes(reply.serialized_info)
 
-    async def _fetch(self) -> list[PeerRecord]:
+    async def _fetch(self) -> Snapshot:
         """The swarm as this client may use it: only peers it trusts (``allowed_peers`` / ``blocked_peers``)."""
+        self.check_membership()
         records = await asyncio.wait_for(fetch_records(self.node, self.model_name), self.config.swarm.dht_timeout)
         allowed, blocked = set(self.config.allowed_peers), set(self.config.blocked_peers)
-        return [r for r in records if (not allowed or r.peer_id in allowed) and r.peer_id not in blocked]
+        return Snapshot([r for r in records if (not allowed or r.peer_id in allowed) and r.peer_id not in blocked],
+                        records.sealed)

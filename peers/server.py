@@ -25,7 +25,7 @@ from swarm.discovery import fetch_records, start_node, visible_maddrs
 from swarm.keys import check_model_name
 from swarm.measure import cached_throughput, time_per_call
 from swarm.records import PeerRecord, PeerState
-from swarm.revocations import keep_revocations
+from swarm.revocations import check_membership, keep_revocations, serve_until
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,8 @@ class StageServer:
         try:
             peer_id = str(self.node.peer_id)
             start, end = await self._choose_blocks()
-            announcer = Announcer(self.node, self._make_record(peer_id, start, end), period=self.config.update_period)
+            announcer = Announcer(self.node, self._make_record(peer_id, start, end), period=self.config.update_period,
+                                  check=lambda: check_membership(self.admission))
             await announcer.start()  # JOINING: other joining peers see our blocks and choose others
             logger.info("Loading blocks %d:%d of %s", start, end, self.model_name)
             blocks = load_blocks(self.config.model_dir, start, end, device=self.device, dtype=self.dtype)
@@ -83,8 +84,8 @@ class StageServer:
                 max_batch_tokens=self.config.max_batch_tokens, active_sessions=sessions.attached_count,
             )
             await backend.launch()
-            reaper = asyncio.gather(_reap_forever(sessions), keep_revocations(
-                self.node, self.admission, period=self.config.update_period))
+            reaper = asyncio.gather(_reap_forever(sessions), keep_revocations(  # they raise if we are shut out
+                self.node, self.admission, period=self.config.update_period), announcer.wait())
             info = self._make_info(peer_id, start, end, throughput)
             links = PeerLinks(self.node.p2p, self.admission, timeout=self.config.request_timeout)
             training = TrainingRPC(blocks, info, checkpoint_dir=self.config.checkpoint_dir,
@@ -104,7 +105,7 @@ class StageServer:
                 start, end, self.model_name, peer_id, throughput, " ".join(addresses),
             )
             self.ready.set()
-            await stop.wait()
+            await serve_until(stop, reaper)  # or raise MembershipError: our certificate was revoked or expired
             logger.info("Shutting down: announcing offline")
         finally:
             if announcer is not None:

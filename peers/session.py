@@ -5,6 +5,10 @@ it travels over the client's one stream to that peer (``PeerStream``), shared wi
 sessions there. The client remembers every input it sent to a hop (its history); when a peer fails, the
 session bans it, routes the hop's blocks to other peers and replays the history there to rebuild the
 cache, so greedy generation continues with the same tokens.
+
+Refusals are not failures: a peer with no room for a session (``CapacityError``) is only marked busy and the
+session tries another or waits for it; a peer that refuses us as no member (``NotAdmittedError``, or a
+``MembershipError`` when the stream is opened) is final and raised at once: every member answers the same.
 """
 
 from __future__ import annotations
@@ -19,14 +23,31 @@ import torch
 
 from peers.peer_stream import PeerStream
 from peers.protocol import (
+    CAPACITY_REFUSAL,
+    NOT_ADMITTED,
+    CapacityError,
     InferenceOpen,
+    NotAdmittedError,
     RequestError,
 )
+from privacy.errors import MembershipError
 
 if TYPE_CHECKING:
     from peers.client import SwarmClient
 
 logger = logging.getLogger(__name__)
+
+
+def classify(error: RequestError) -> RequestError:
+    """A peer's refusal as the subclass its message names: ``NotAdmittedError`` (final), ``CapacityError`` (the
+    peer is busy: another peer or a retry soon may take it), else ``error`` itself."""
+    text = str(error)
+    for prefix, cls in ((NOT_ADMITTED, NotAdmittedError), (CAPACITY_REFUSAL, CapacityError),
+                        ("cache full", CapacityError)):  # "cache full": how older peers said it
+        if (text.startswith(prefix) or f": {prefix}" in text) and not isinstance(error, cls):
+            return cls(text)
+    return error
+
 
 class SpanSession:
     """One session on one peer for blocks ``[start, end)``, over the client's shared stream to that peer."""
@@ -46,7 +67,7 @@ class SpanSession:
                                 max_length=max_length, batch_size=batch_size, resume=resume)
         reply = await self._stream.open(request, self.client.config.request_timeout)
         if reply.error:
-            raise RequestError(f"peer ...{self.peer_id[-6:]} refused the session: {reply.error}")
+            raise classify(RequestError(f"peer ...{self.peer_id[-6:]} refused the session: {reply.error}"))
         self.length = reply.length
 
     async def step(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -60,7 +81,10 @@ class SpanSession:
         if position < self.length:
             self.length, self.history = position, _truncate(self.history, position)
         t0 = time.perf_counter()
-        output = await self._stream.step(self.session_id, position, hidden, self._step_timeout(hidden.shape[1]))
+        try:
+            output = await self._stream.step(self.session_id, position, hidden, self._step_timeout(hidden.shape[1]))
+        except RequestError as e:
+            raise classify(e) from None
         self.history.append(hidden)
         self.length += hidden.shape[1]
         if hidden.shape[1] == 1:
@@ -135,14 +159,14 @@ class InferenceSession:
         index, failures = 0, 0
         while index < len(self.hops):
             hop = self.hops[index]
-            t0 = time.perf_counter()
+            t0, started = time.perf_counter(), time.monotonic()
             try:
                 out = await hop.step(x)
-            except RequestError:  # the peer refused our request with a reason: retrying elsewhere won't help
+            except (RequestError, MembershipError):  # refused with a reason, or as no member: final
                 raise
             except Exception as e:
                 failures += 1
-                await self._replace(index, e, failures)
+                await self._replace(index, e, failures, started)
                 continue
             self.client.router.on_success(hop.peer_id, rtt=time.perf_counter() - t0)
             x, index = out, index + 1
@@ -160,10 +184,11 @@ class InferenceSession:
         out, self._local_past = blocks(hidden, positions, self._local_past)
         return out
 
-    async def _replace(self, index: int, error: BaseException, failures: int) -> None:
-        """Ban the failed hop's peer, route its blocks elsewhere and replay its history there."""
+    async def _replace(self, index: int, error: BaseException, failures: int, started: float) -> None:
+        """Ban the failed hop's peer (once per failure event: its other sessions see the same one), route its
+        blocks elsewhere and replay its history there."""
         failed = self.hops[index]
-        self.client.router.on_failure(failed.peer_id, error)
+        self.client.router.on_failure(failed.peer_id, error, started=started)
         failed.abandon()
         if failures > self.client.config.max_retries:
             raise RuntimeError(
@@ -182,20 +207,36 @@ class InferenceSession:
                     failed.end, ", ".join(f"...{h.peer_id[-6:]} ({h.start}:{h.end})" for h in replacement), error)
 
     async def _open_chain(self, start: int, end: int) -> list[SpanSession]:
-        attempts = 0
+        """Sessions on a chain for ``[start, end)``. A busy peer is routed around (the router waits for one to be
+        free up to its ``max_wait``); a failing one is banned and the chain re-chosen, ``max_retries`` times."""
+        router, attempts = self.client.router, 0
+        deadline = time.monotonic() + router.max_wait
+        refused: dict[str, str] = {}  # peers that had no room for this session: what they said
         while True:
-            chain = await self.client.router.make_chain(start, end)
+            chain = await router.make_chain(start, end, wait=max(0.0, deadline - time.monotonic()))
             hops = [SpanSession(self.client, h.peer_id, h.start, h.end, secrets.token_hex(16)) for h in chain]
+            started = time.monotonic()
             results = await asyncio.gather(*(h.open(self.max_length, self.batch_size) for h in hops),
                                            return_exceptions=True)
             failed = [(h, r) for h, r in zip(hops, results, strict=True) if isinstance(r, BaseException)]
             if not failed:
                 return hops
             for hop, result in zip(hops, results, strict=True):
-                if isinstance(result, BaseException):
-                    self.client.router.on_failure(hop.peer_id, result)
-                else:
+                if not isinstance(result, BaseException):
                     await hop.close()
+            final = next((r for _, r in failed if isinstance(r, MembershipError)), None)
+            if final is not None:
+                raise final
+            for hop, result in failed:
+                if isinstance(result, CapacityError):
+                    router.on_busy(hop.peer_id, result)
+                    refused[hop.peer_id] = str(result)
+                else:
+                    router.on_failure(hop.peer_id, result, started=started)
+            if all(isinstance(r, CapacityError) for _, r in failed):  # not a failure: try others, or wait
+                if time.monotonic() >= deadline:
+                    raise router.unavailable_error(start, end, refused)
+                continue
             attempts += 1
             if attempts > self.client.config.max_retries:
                 raise RuntimeError(f"could not open an inference session for blocks {start}:{end}: {failed[0][1]}")

@@ -40,8 +40,11 @@ from hivemind.p2p import P2PDaemonError, P2PHandlerError
 from peers.client import SwarmClient
 from peers.model.local import default_position_ids
 from peers.protocol import RequestError, TrainApply, TrainBackward, TrainForward, TrainOpen
+from peers.session import classify
 from peers.training import OptimConfig, PartOptimizer, loss_of, unique_parameters
+from privacy.errors import MembershipError
 from swarm.records import PeerRecord
+from swarm.routing import PrivateSwarmError, describe
 from swarm.stages import NoPipelineError, choose_stage_groups, spread
 
 logger = logging.getLogger(__name__)
@@ -65,9 +68,10 @@ class StepResult:
 class StageFailure(ConnectionError):
     """A stage peer broke its stream or timed out; the step is retried on re-chosen stages."""
 
-    def __init__(self, peer_id: str, error: BaseException) -> None:
+    def __init__(self, peer_id: str, error: BaseException, started: float | None = None) -> None:
         super().__init__(f"stage peer ...{peer_id[-6:]} failed: {error!r}")
         self.peer_id, self.error = peer_id, error
+        self.started = started  # time.monotonic() when the failed request was sent
 
 
 class SwarmTrainer:
@@ -171,6 +175,8 @@ class SwarmTrainer:
         considered, current = self._considered, [list(group) for group in self.replicas]
         try:  # a joiner that breaks its stream raises StageFailure: the step's retry re-chooses without it
             await self.start_async(groups=groups)
+        except MembershipError:  # we are no member (any more): final, whoever refused
+            raise
         except RequestError as e:  # e.g. it trains another trainer's run
             logger.warning("Run %s: a joining peer refused the run (%s); carrying on without the joiners",
                            self.run_id, e)
@@ -178,18 +184,36 @@ class SwarmTrainer:
         self._considered |= considered | {r.peer_id for r in joiners}  # not joiners again (nor slow left-outs)
 
     async def _stage_groups(self, grace: float = 5.0) -> list[list[PeerRecord]]:
-        """The stages to use now; a snapshot that lacks some (a DHT node just died, a heartbeat is late) is
-        retried for ``grace`` seconds before ``NoPipelineError`` is raised."""
-        deadline = time.monotonic() + grace
+        """The stages to use now, without banned peers; a snapshot that lacks some (a DHT node just died, a
+        heartbeat is late) is retried for ``grace`` seconds before ``NoPipelineError`` is raised. If only banned
+        peers are missing, their bans are waited for up to the router's ``max_wait``, then the error names them;
+        sealed records (a private swarm we are no member of) raise ``PrivateSwarmError``."""
+        router, num_blocks, began = self.client.router, self.client.model_config.num_layers, time.monotonic()
         while True:
-            banned = self.client.router.banned()
-            records = [r for r in await self.client._fetch() if r.peer_id not in banned]
+            snapshot, banned = await self.client._fetch(), router.banned()
             try:
-                return choose_stage_groups(records, self.client.model_config.num_layers)
-            except NoPipelineError:
-                if time.monotonic() >= deadline:
-                    raise
+                return choose_stage_groups([r for r in snapshot if r.peer_id not in banned], num_blocks)
+            except NoPipelineError as e:
+                waited = time.monotonic() - began
+                if waited >= grace:
+                    self._why_no_pipeline(e, snapshot, banned, waited)
             await asyncio.sleep(0.5)
+
+    def _why_no_pipeline(self, error: NoPipelineError, snapshot: list[PeerRecord], banned: set[str],
+                         waited: float) -> None:
+        """Raise what stands in the way of a pipeline, unless it is bans that end within the router's wait."""
+        router = self.client.router
+        if not snapshot and getattr(snapshot, "sealed", 0):
+            raise PrivateSwarmError(self.client.model_name, snapshot.sealed) from error
+        try:
+            choose_stage_groups(snapshot, self.client.model_config.num_layers)  # with the banned peers
+        except NoPipelineError:
+            raise error from None
+        left_out = router.unavailable(r.peer_id for r in snapshot if r.peer_id in banned)
+        if left_out and waited + min(u.seconds_left for u in left_out) <= router.max_wait:
+            return  # their bans end soon: wait for them
+        raise NoPipelineError(f"{error}; with the peers banned after failures it would: {describe(left_out)}; they "
+                              f"are tried again when their bans end (check them with `swarm status`)") from None
 
     async def train_step_async(self, micro_batches: Sequence[torch.Tensor]) -> StepResult:
         """Run the step's micro-batches (retried on another pipeline if a stage peer fails), then commit it."""
@@ -209,7 +233,7 @@ class SwarmTrainer:
             except StageFailure as failure:
                 self.part.zero_grad()  # the trainer's share of the failed attempt is discarded too
                 failures += 1
-                self.client.router.on_failure(failure.peer_id, failure.error)
+                self.client.router.on_failure(failure.peer_id, failure.error, started=failure.started)
                 if failures > self.client.config.max_retries:
                     raise RuntimeError(f"step {self.steps_done} failed {failures} times (last: {failure}); check "
                                        f"`swarm status` and that peers whose spans tile the model are up") from failure
@@ -259,14 +283,17 @@ class SwarmTrainer:
                 self.run_step = max(self.run_step, result[0].step)
 
     async def _call(self, peer_id: str, message, tensor: torch.Tensor | None):
-        """One request to a stage; a broken stream or a timeout becomes ``StageFailure`` (retried elsewhere)."""
+        """One request to a stage; a broken stream or a timeout becomes ``StageFailure`` (retried elsewhere). A
+        refusal raises ``RequestError`` (``NotAdmittedError`` if as no member), failing to be admitted on a new
+        stream ``MembershipError``: both final."""
+        started = time.monotonic()
         try:
             stream = await self.client.peer_stream(peer_id)
             return await stream.call(message, tensor, self.client.config.request_timeout)
-        except RequestError:
-            raise
+        except RequestError as e:
+            raise classify(e) from None
         except (ConnectionError, TimeoutError, asyncio.TimeoutError, OSError, P2PDaemonError, P2PHandlerError) as e:
-            raise StageFailure(peer_id, e) from e
+            raise StageFailure(peer_id, e, started) from e
 
     async def _micro_batch(self, input_ids: torch.Tensor, index: int, stage_steps: list[int],
                            stage_busy: list[float]) -> float:

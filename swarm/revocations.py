@@ -3,7 +3,8 @@
 A revocation is signed by the swarm owner, so anyone may carry it: ``swarm revoke`` stores it once, and every
 member re-stores the newest it knows under its own subkey on each heartbeat, so it outlives the owner's node.
 Applying one makes the node refuse the revoked members' proofs and records, and purges their records from
-its DHT storage (hivemind never revalidates what it already stored).
+its DHT storage (hivemind never revalidates what it already stored). A node that finds its own certificate
+revoked (or expired) stops: ``keep_revocations`` raises, and the peer, bootstrap node or client it runs in with it.
 """
 
 from __future__ import annotations
@@ -63,8 +64,25 @@ async def sync_revocations(node: DHTNode, verifier: MembershipVerifier, validato
     return changed
 
 
+def check_membership(admission) -> None:
+    """Raise ``MembershipError`` if this node's own certificate was revoked or has expired (no-op if public)."""
+    verifier, credentials = getattr(admission, "verifier", None), getattr(admission, "credentials", None)
+    if verifier is None or credentials is None:
+        return
+    try:
+        verifier.verify(credentials.certificate)
+    except MembershipError as e:
+        raise MembershipError(
+            f"this node's membership ended: {e}. Other members refuse its calls and records, so it stops; ask the "
+            f"swarm owner for a new invite (`swarm invite`) and restart with the new --private CREDENTIALS") from e
+
+
 async def keep_revocations(node: DHTNode, admission, *, period: float) -> None:
-    """Forever: every ``period`` s, sync ``admission``'s revocations with the DHT (nothing in a public swarm)."""
+    """Every ``period`` s, sync ``admission``'s revocations with the DHT (nothing in a public swarm).
+
+    Runs until cancelled, or raises ``MembershipError`` (``check_membership``) once this node's own certificate
+    is revoked or expired: the caller stops the node (see ``serve_until``).
+    """
     verifier = getattr(admission, "verifier", None)
     if verifier is None:
         return
@@ -74,4 +92,17 @@ async def keep_revocations(node: DHTNode, admission, *, period: float) -> None:
                                    timeout=max(period, 10.0))
         except Exception as e:
             logger.warning("could not sync revocations with the DHT (%r); retrying in %.0f s", e, period)
+        check_membership(admission)
         await asyncio.sleep(period)
+
+
+async def serve_until(stop: asyncio.Event, watch: asyncio.Future) -> None:
+    """Wait for ``stop``; if ``watch`` (e.g. ``keep_revocations``) raises first, raise that: the node must stop."""
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        done, _ = await asyncio.wait({stopped, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if watch in done and not watch.cancelled() and watch.exception() is not None:
+            raise watch.exception()
+        await stopped
+    finally:
+        stopped.cancel()

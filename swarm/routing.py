@@ -64,15 +64,18 @@ class PeersUnavailableError(NoRouteError):
     def __init__(self, model: str, start: int, end: int, peers: list[Unavailable]) -> None:
         self.start, self.end, self.peers = start, end, peers
         states = " or ".join(sorted({p.state for p in peers}))
-        now = datetime.now()
-        details = "; ".join(
-            f"...{p.peer_id[-6:]} {p.state} until {(now + timedelta(seconds=p.seconds_left)):%H:%M:%S} "
-            f"(last error: {_short(p.error)})" for p in peers)
         super().__init__(
-            f"all {len(peers)} peer(s) serving blocks {start}:{end} of {model} are {states}: {details}. Retry in a "
-            f"moment, or start another peer for them (`swarm peer MODEL_DIR --initial_peers ... --block_indices "
-            f"{start}:{end}`); `swarm status` shows who serves what."
+            f"all {len(peers)} peer(s) serving blocks {start}:{end} of {model} are {states}: {describe(peers)}. "
+            f"Retry in a moment, or start another peer for them (`swarm peer MODEL_DIR --initial_peers ... "
+            f"--block_indices {start}:{end}`); `swarm status` shows who serves what."
         )
+
+
+def describe(peers: Iterable[Unavailable]) -> str:
+    """``...abc123 banned until 12:00:03 (last error: ...); ...`` for error messages."""
+    now = datetime.now()
+    return "; ".join(f"...{p.peer_id[-6:]} {p.state} until {(now + timedelta(seconds=p.seconds_left)):%H:%M:%S} "
+                     f"(last error: {_short(p.error)})" for p in peers)
 
 
 def _short(text: str, limit: int = 200) -> str:
@@ -251,6 +254,16 @@ class Router:
             elif busy_until > now:
                 found.append(Unavailable(peer, "busy", busy_until - now, refusal))
         return found
+
+    def unavailable_error(self, start: int, end: int, refused: dict[str, str]) -> PeersUnavailableError:
+        """The error for ``[start, end)`` after the peers in ``refused`` (peer -> refusal) had no room for it,
+        for as long as we could wait; peers banned now that serve the span are named too."""
+        now, marks = time.monotonic(), {u.peer_id: u for u in self.unavailable()}
+        peers = [Unavailable(p, "busy", max(0.0, self._busy.get(p, (now, ""))[0] - now), text)
+                 for p, text in refused.items()]
+        peers += [marks[r.peer_id] for r in self.records if r.peer_id in marks and r.peer_id not in refused
+                  and r.start < end and r.end > start and marks[r.peer_id].state == "banned"]
+        return PeersUnavailableError(self.model, start, end, peers)
 
     def _chain(self, start: int, end: int) -> list[Hop] | None:
         """The best chain avoiding banned and busy peers, or None."""

@@ -153,3 +153,36 @@ def test_finding_06_nobody_serving_a_span_is_still_missing_blocks(clock):
     r.on_failure(pid("A"))
     with pytest.raises(MissingBlocksError, match=r"No online peer serves block\(s\) 4, 5, 6, 7 of m"):
         asyncio.run(r.make_chain(0, 8))
+
+
+def test_finding_06_a_session_refused_by_every_peer_names_them_all(clock):
+    r = router(fixed(rec("A", 0, 8), rec("B", 0, 8), rec("C", 0, 4)))
+    asyncio.run(r.refresh())
+    r.on_busy(pid("A"), ValueError("busy: cache full: 0 of 40 free"))
+    r.on_failure(pid("C"), ConnectionError("closed"))
+    error = r.unavailable_error(0, 8, {pid("A"): "busy: cache full: 0 of 40 free", pid("B"): "busy: cache full"})
+    assert [(p.peer_id, p.state) for p in error.peers] == [(pid("A"), "busy"), (pid("B"), "busy"), (pid("C"), "banned")]
+    assert "all 3 peer(s) serving blocks 0:8 of m are banned or busy" in str(error)
+
+
+def test_finding_06_training_names_the_banned_peers_a_pipeline_needs(clock):
+    """Not just "the online peers' spans do not tile": which banned peers would make the pipeline, and until when."""
+    from peers.trainer import SwarmTrainer
+    from swarm.stages import NoPipelineError
+
+    r = router(max_wait=10.0)
+    for _ in range(4):  # escalated to 16 s: beyond what the trainer may wait
+        clock.now += 100.0
+        r.on_failure(pid("B"), ConnectionError("peer ...BBBBBB closed the stream"))
+    trainer = SimpleNamespace(client=SimpleNamespace(router=r, model_config=SimpleNamespace(num_layers=8),
+                                                     model_name="m"))
+    snapshot = Snapshot([rec("A", 0, 4), rec("B", 4, 8)])
+    banned_b = r"do not tile blocks 0:8; .*\.\.\.BBBBBB banned until .*closed the stream"
+    with pytest.raises(NoPipelineError, match=banned_b):
+        SwarmTrainer._why_no_pipeline(trainer, NoPipelineError("the online peers' spans (0:4) do not tile blocks 0:8"),
+                                      snapshot, {pid("B")}, 5.0)
+    r.on_success(pid("B"))
+    r.on_failure(pid("B"))  # 2 s: the trainer waits for it instead
+    SwarmTrainer._why_no_pipeline(trainer, NoPipelineError("no tiling"), snapshot, {pid("B")}, 5.0)
+    with pytest.raises(PrivateSwarmError):
+        SwarmTrainer._why_no_pipeline(trainer, NoPipelineError("no tiling"), Snapshot([], 2), set(), 5.0)
