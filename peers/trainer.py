@@ -272,11 +272,13 @@ class SwarmTrainer:
                  for record, share in zip(group, shares, strict=True)]
         results = await asyncio.gather(*(self._call(peer_id, message, None) for _, peer_id, message in calls),
                                        return_exceptions=True)
+        if final := next((r for r in results if isinstance(r, MembershipError)), None):
+            raise final  # we are no member (any more): no ban, no retry
         for (stage, peer_id, _), result in zip(calls, results, strict=True):
             if isinstance(result, BaseException):  # its share of this step is lost; the others applied theirs
                 logger.warning("Run %s: peer ...%s did not apply step %d: %s", self.run_id, peer_id[-6:],
                                self.steps_done, result)
-                self.client.router.on_failure(peer_id, result)
+                self.client.router.on_failure(peer_id, result, started=getattr(result, "started", None))
                 self.stages = []  # choose the stages again before the next step
             else:
                 stage_steps[stage] = max(stage_steps[stage], result[0].step)
