@@ -111,7 +111,7 @@ def main() -> None:
     model_dir = make_tiny_model(workdir / "llama-bench", seed=0, **MODEL)
     input_ids = torch.randint(0, 256, (1, PROMPT), generator=torch.Generator().manual_seed(0))
     expected = LocalModel.from_dir(model_dir).generate_greedy(input_ids, NEW)[0, PROMPT:].tolist()
-    with LocalSwarm(workdir, update_period=10.0) as swarm, Progress(transient=True) as progress:
+    with LocalSwarm(workdir, update_period=10.0, train=True) as swarm, Progress(transient=True) as progress:
         swarm.start_dht()
         checkpoint_dir = workdir / "checkpoints"
         procs = [swarm.start_peer(model_dir, block_indices=f"{a}:{b}", wait=False,

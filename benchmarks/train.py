@@ -34,7 +34,7 @@ import torch
 from rich.progress import Progress
 
 from peers.client import SwarmClient
-from peers.config import ClientConfig, SwarmConfig
+from peers.config import ClientConfig
 from peers.launch import LocalSwarm
 from peers.model import make_tiny_model
 from peers.model.checkpoint import load_blocks
@@ -170,7 +170,7 @@ def swarm_training(client: SwarmClient, tokens: torch.Tensor, setup: Setup, *, i
 
 def start_stage_peers(swarm: LocalSwarm, model_dir: Path, spans: Sequence[tuple[int, int]], checkpoint_dir: Path,
                       extra: Sequence[str] = ()) -> None:
-    """A DHT and one peer per span (training on, resuming runs from ``checkpoint_dir``), all ready."""
+    """A DHT and one peer per span (allowing the swarm's trainer, resuming runs from ``checkpoint_dir``), all ready."""
     swarm.start_dht()
     procs = [swarm.start_peer(model_dir, block_indices=f"{a}:{b}", wait=False, name=f"stage{i}",
                               extra=["--checkpoint_dir", str(checkpoint_dir), *extra])
@@ -180,8 +180,8 @@ def start_stage_peers(swarm: LocalSwarm, model_dir: Path, spans: Sequence[tuple[
 
 
 def client_config(swarm: LocalSwarm, encrypt: bool = True) -> ClientConfig:
-    return ClientConfig(swarm=SwarmConfig(initial_peers=tuple(swarm.initial_peers)), encrypt=encrypt,
-                        request_timeout=120)
+    """The swarm's trainer (the identity its peers allow with ``--trainers``)."""
+    return ClientConfig(swarm=swarm.trainer_config(), encrypt=encrypt, request_timeout=120)
 
 
 def main() -> None:
@@ -206,7 +206,7 @@ def main() -> None:
     variants = [(f"K={k}", k, False) for k in IN_FLIGHT] + [(f"K={RECOMPUTE_K}, recompute", RECOMPUTE_K, True)]
     swarm_runs: dict[str, dict] = {}
 
-    with LocalSwarm(workdir, update_period=10.0) as swarm, Progress(transient=True) as progress:
+    with LocalSwarm(workdir, update_period=10.0, train=True) as swarm, Progress(transient=True) as progress:
         def task(label: str) -> Callable[[], None]:
             task_id = progress.add_task(label, total=setup.steps)
             return lambda: progress.advance(task_id)

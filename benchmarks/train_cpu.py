@@ -101,7 +101,7 @@ def main() -> None:
     timed_tokens = (setup.steps - 1) * setup.seq_len * setup.micro_batch * setup.accumulation
     result: dict = {"benchmark": "train_cpu", "model": MODEL, "in_flight": args.in_flight,
                     "timed_steps": setup.steps - 1, "timed_tokens": timed_tokens, "one_process": {}}
-    with LocalSwarm(workdir, update_period=10.0) as swarm:
+    with LocalSwarm(workdir, update_period=10.0, train=True) as swarm:
         start_stage_peers(swarm, model_dir, spans, workdir / "checkpoints")
         for threads in (torch.get_num_threads(), 1):
             torch.set_num_threads(threads)

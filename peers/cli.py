@@ -13,6 +13,7 @@ from peers.cli_membership import add_membership_commands
 from peers.cli_model import add_model_command
 from peers.cli_train import add_train_command
 from peers.config import DEFAULT_CACHE_DIR, LOCAL_HOST_MADDRS, StageServerConfig, SwarmConfig, parse_block_indices
+from peers.trainers import FLAG_HELP, parse_trainers
 
 logger = logging.getLogger("peers.cli")
 
@@ -78,7 +79,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="seconds a session open that does not fit waits for space before it is refused")
     peer.add_argument("--allow_plaintext", action="store_true",
                       help="also serve inference streams that skip encryption (for benchmarks and debugging)")
-    peer.add_argument("--no_train", action="store_true", help="refuse training runs (serve inference only)")
+    peer.add_argument("--trainers", default=None, metavar="PEER_ID[,PEER_ID...]|members|anyone", help=FLAG_HELP)
+    peer.add_argument("--no_train", action="store_true",
+                      help="no-op, kept for old scripts: a peer trains only with --trainers")
     peer.add_argument("--checkpoint_dir", type=Path, default=None,
                       help="training: save our blocks' weights + AdamW state here, and resume from them")
     peer.set_defaults(func=_cmd_peer)
@@ -173,6 +176,9 @@ def _cmd_dht(args: argparse.Namespace) -> int:
 def _cmd_peer(args: argparse.Namespace) -> int:
     from peers.server import StageServer
 
+    if args.no_train and args.trainers:
+        raise ValueError("--no_train and --trainers contradict each other: drop --no_train (training is off "
+                         "unless --trainers is given)")
     config = StageServerConfig(
         model_dir=args.model_dir, swarm=_swarm_config(args), model_name=args.model_name,
         block_indices=args.block_indices, num_blocks=args.num_blocks, device=args.device,
@@ -181,7 +187,8 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout, update_period=args.update_period, throughput=args.throughput,
         cache_dir=args.cache_dir, cache_tokens=args.cache_tokens, session_timeout=args.session_timeout,
         client_cache_share=args.client_cache_share, cache_wait=args.cache_wait,
-        require_encryption=not args.allow_plaintext, train=not args.no_train, checkpoint_dir=args.checkpoint_dir,
+        require_encryption=not args.allow_plaintext, trainers=parse_trainers(args.trainers),
+        checkpoint_dir=args.checkpoint_dir,
     )
     if args.num_threads:
         import torch

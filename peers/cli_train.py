@@ -88,8 +88,8 @@ def wait_for_pipeline(trainer: SwarmTrainer, timeout: float) -> None:
             f"--block_indices 0:{half}` and `--block_indices {half}:{n}`), then rerun") from None
     except Exception as e:
         raise RuntimeError(f"opening run {trainer.run_id!r} on the stage peers failed ({type(e).__name__}: {e}); "
-                           "check --initial_peers; a busy or --no_train peer must be replaced by another peer of "
-                           "the same span") from e
+                           "check --initial_peers; a peer that is busy, or does not allow this trainer (its "
+                           "--trainers), must be replaced by another peer of the same span") from e
 
 
 def _resume(trainer: SwarmTrainer, path: Path, config: TrainConfig, batches: TokenBatches,
@@ -135,6 +135,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise RuntimeError(f"cannot join the swarm ({type(e).__name__}: {e}): check --initial_peers and that "
                            "`swarm dht` runs there; a private swarm also needs --private and --identity_path") from e
     with client:
+        _print_trainer_id(client, swarm.identity_path, console)
         trainer = SwarmTrainer(client, config.optim, config.accumulation, in_flight=config.in_flight, run_id=run_id,
                                keep_activations=config.keep_activations, checkpoint_every=config.checkpoint_every,
                                average_every=config.average_every, outer_lr=config.outer_lr,
@@ -196,3 +197,14 @@ def _check_stage_steps(trainer: SwarmTrainer, result: StepResult, console: Conso
                       "different steps (a peer kept training after the trainer's last checkpoint, or restarted "
                       "from an older one). Training continues; for an exact resume keep checkpoint_every equal "
                       "on both sides and restart peers and trainer together.")
+
+
+def _print_trainer_id(client, identity_path: Path | None, console: Console) -> None:
+    """Peers train only for the trainers their operators allow (``swarm peer --trainers``): say who we are."""
+    from privacy.peer_ids import peer_id_of
+
+    peer_id = peer_id_of(client.identity.public_bytes)
+    console.print(f"Trainer peer id: {peer_id} (stage peers must allow it: swarm peer ... --trainers {peer_id})")
+    if identity_path is None:
+        console.print("[yellow]warning:[/yellow] no --identity_path: this peer id is new on every run; pass "
+                      "--identity_path FILE to keep it, so peers can keep allowing it")

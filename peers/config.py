@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from peers.trainers import TrainerPolicy
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "fusionswarm"
 LOCAL_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
@@ -78,7 +80,7 @@ class StageServerConfig:
     client_cache_share: float = 0.5  # of cache_tokens one client may always hold; more only while nobody waits
     cache_wait: float = 2.0  # seconds an open that does not fit waits for space before it is refused
     require_encryption: bool = True  # refuse inference streams that skip the handshake (plaintext tensors)
-    train: bool = True  # take part in training runs (trains the served weights in place)
+    trainers: tuple[str, ...] = ()  # who may train (and so change) the served weights: peer ids, "members", "anyone"
     checkpoint_dir: Path | None = None  # training: save/resume weights + AdamW state of our blocks here
 
     def __post_init__(self) -> None:
@@ -104,6 +106,11 @@ class StageServerConfig:
         if not 0 <= self.cache_wait < self.request_timeout:
             raise ValueError("--cache_wait must be >= 0 and below --request_timeout")
         self.cache_dir = Path(self.cache_dir)
+        self.trainers = self.trainer_policy().trainers  # checked: peer ids, or 'members' in a private swarm
+
+    def trainer_policy(self) -> TrainerPolicy:
+        """Who may train this peer (``peers.trainers``): nobody unless the operator passed ``--trainers``."""
+        return TrainerPolicy(self.trainers, private=self.swarm.credentials_path is not None)
 
 
 @dataclass(kw_only=True)

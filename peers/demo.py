@@ -1,6 +1,7 @@
 """``swarm demo``: a whole swarm on this machine with no arguments, and everything it started stopped.
 
-It trains the tiny model briefly through the three peers (this process is the trainer), then checks that the
+Its peers let any member of its private swarm train them (``--trainers members``). It trains the tiny model
+briefly through the three peers (this process, a member, is the trainer), then checks that the
 swarm serves the trained weights: forward and greedy generation through the swarm are compared with one
 local model built from the trainer's embedding + head and the blocks the peers saved after the last step.
 """
@@ -61,7 +62,7 @@ def run_demo(workdir: Path) -> int:
         for name, kwargs in (("peer-a", {"block_indices": "0:3"}), ("peer-b", {"block_indices": "3:6"}),
                              ("peer-c", {"num_blocks": 2})):
             with console.status(f"Starting {name} ({kwargs}) ..."):
-                proc = swarm.start_peer(model_dir, name=name, **kwargs,
+                proc = swarm.start_peer(model_dir, name=name, **kwargs, trainers="members",  # any invited member
                                         extra=["--public_name", name, "--checkpoint_dir", str(checkpoints)])
             console.print(f"{name} serves blocks {proc.blocks[0]}:{proc.blocks[1]} (pid {proc.pid})")
 

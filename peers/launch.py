@@ -18,6 +18,7 @@ from pathlib import Path
 from peers.config import SwarmConfig
 from privacy.identity import Identity
 from privacy.membership import SwarmOwner
+from privacy.peer_ids import peer_id_of
 
 READY_PEER = re.compile(r"Serving blocks (\d+):(\d+) of \S+ as peer (\w+)")
 READY_DHT = re.compile(r"--initial_peers (.+)$", re.MULTILINE)
@@ -83,12 +84,16 @@ class SwarmProcess:
 
 
 class LocalSwarm:
-    """A bootstrap peer plus stage peers on 127.0.0.1; a context manager that stops all of them."""
+    """A bootstrap peer plus stage peers on 127.0.0.1; a context manager that stops all of them.
+
+    With ``train``, every peer allows the swarm's trainer (``--trainers``, the peer id of ``trainer_config()``'s
+    identity file) unless ``start_peer(trainers=...)`` says otherwise; without it, peers train for nobody.
+    """
 
     def __init__(self, workdir: Path, *, update_period: float = 2.0, num_threads: int | None = 1,
-                 private: bool = False) -> None:
+                 private: bool = False, train: bool = False) -> None:
         self.workdir = Path(workdir)
-        self.update_period, self.num_threads = update_period, num_threads
+        self.update_period, self.num_threads, self.train = update_period, num_threads, train
         self.processes: list[SwarmProcess] = []
         self.initial_peers: list[str] = []
         self.owner = SwarmOwner.generate() if private else None  # a private swarm: every process is invited
@@ -117,6 +122,30 @@ class LocalSwarm:
         return SwarmConfig(initial_peers=tuple(self.initial_peers), identity_path=identity_path,
                            credentials_path=credentials_path)
 
+    def trainer_identity(self, name: str = "trainer") -> Path:
+        """The identity file of trainer ``name`` (an invited member's in a private swarm), created if missing."""
+        if self.owner is not None:
+            return self.member_files(name)[0]
+        path = self.workdir / "trainers" / f"{name}.id"
+        Identity.load_or_create(path)
+        return path
+
+    def trainer_id(self, name: str = "trainer") -> str:
+        """Trainer ``name``'s peer id: what peers that let it train get in ``--trainers``."""
+        return peer_id_of(Identity.load_or_create(self.trainer_identity(name)).public_bytes)
+
+    def trainer_config(self, name: str = "trainer") -> SwarmConfig:
+        """How an in-process trainer joins as trainer ``name`` (its fixed identity, and invite if private)."""
+        if self.owner is not None:
+            return self.swarm_config(name)
+        return SwarmConfig(initial_peers=tuple(self.initial_peers), identity_path=self.trainer_identity(name))
+
+    def trainer_flags(self, name: str = "trainer") -> list[str]:
+        """``--identity_path`` (and ``--private``) of trainer ``name``, for a ``swarm train`` process."""
+        if self.owner is not None:
+            return self.member_flags(name)
+        return ["--identity_path", str(self.trainer_identity(name))]
+
     def start_dht(self, timeout: float = 60.0) -> list[str]:
         proc = self._spawn(["dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0", *self.member_flags("dht")], "dht")
         line = proc.wait_for(READY_DHT, timeout).group(1)
@@ -133,14 +162,20 @@ class LocalSwarm:
         name: str | None = None,
         wait: bool = True,
         timeout: float = 120.0,
+        trainers: str | None = None,
     ) -> SwarmProcess:
+        """A stage peer; ``trainers`` is its ``--trainers`` (None: the swarm's trainer with ``train``, else none;
+        "": none)."""
         if not self.initial_peers:
             raise RuntimeError("call start_dht() first")
         blocks = ["--block_indices", block_indices] if block_indices else ["--num_blocks", str(num_blocks)]
+        if trainers is None:
+            trainers = self.trainer_id() if self.train else ""
         args = [
             "peer", str(model_dir), "--initial_peers", *self.initial_peers, *blocks,
             "--update_period", str(self.update_period), "--cache_dir", str(self.workdir / "cache"),
-            *(["--num_threads", str(self.num_threads)] if self.num_threads else []), *extra,
+            *(["--num_threads", str(self.num_threads)] if self.num_threads else []),
+            *(["--trainers", trainers] if trainers else []), *extra,
         ]
         name = name or f"peer{len(self.processes)}"
         proc = self._spawn([*args, *self.member_flags(name)], name)

@@ -16,7 +16,7 @@ from peers.config import DTYPES, StageServerConfig
 from peers.handler import StageHandler
 from peers.model import ModelConfig, load_blocks
 from peers.peer_links import PeerLinks
-from peers.protocol import ParamsFetch, StageInfo
+from peers.protocol import StageInfo
 from peers.sessions import SessionRegistry
 from peers.training_rpc import TrainingRPC
 from swarm.announcer import Announcer
@@ -88,11 +88,7 @@ class StageServer:
                 self.node, self.admission, period=self.config.update_period), announcer.wait())
             info = self._make_info(peer_id, start, end, throughput)
             links = PeerLinks(self.node.p2p, self.admission, timeout=self.config.request_timeout)
-            training = TrainingRPC(blocks, info, checkpoint_dir=self.config.checkpoint_dir,
-                                   stream_for=links.get) if self.config.train else None
-            if training is not None:
-                training.resume_latest()  # our own checkpoint first; a replica serving now is more current
-                await self._fetch_from_replica(training, links, start, end)
+            training = await self._training(blocks, info, links)
             handler = StageHandler(backend, info, sessions, request_timeout=self.config.request_timeout,
                                    identity=self.identity, require_encryption=self.config.require_encryption,
                                    admission=self.admission, training=training)
@@ -124,27 +120,36 @@ class StageServer:
             await _quietly(self.node.shutdown(), "stop the DHT node")
             logger.info("Stopped")
 
-    async def _fetch_from_replica(self, training: TrainingRPC, links: PeerLinks, start: int, end: int) -> None:
-        """A late replica starts from the weights its span's replicas serve now (they may have trained)."""
+    async def _training(self, blocks, info: StageInfo, links: PeerLinks) -> TrainingRPC | None:
+        """The training side, if the operator allows trainers (``--trainers``): it trains the weights we serve."""
+        policy = self.config.trainer_policy()
+        if not policy.enabled:
+            logger.info("Training is off: pass --trainers PEER_ID[,...] (or members, or anyone) to let trainers "
+                        "train these blocks")
+            return None
+        if policy.anyone:
+            logger.warning("--trainers anyone: %s may train these blocks, and every client then computes with what "
+                           "it trained", policy.describe())
+        else:
+            logger.info("Training allowed for %s", policy.describe())
+        training = TrainingRPC(blocks, info, trainers=policy, checkpoint_dir=self.config.checkpoint_dir,
+                               stream_for=links.get)
+        training.resume_latest()  # our own checkpoint first: a replica's weights never replace newer ones
+        await self._fetch_from_replica(training, info.start, info.end)
+        return training
+
+    async def _fetch_from_replica(self, training: TrainingRPC, start: int, end: int) -> None:
+        """A late replica starts from the weights its span's replicas serve now (they may have trained); one with
+        its own checkpoint keeps it (``TrainingRPC.start_from_replicas``)."""
         try:
             records = await asyncio.wait_for(fetch_records(self.node, self.model_name), self.config.swarm.dht_timeout)
         except Exception as e:
             logger.warning("Could not look for replicas of blocks %d:%d (%r); starting from the checkpoint", start,
                            end, e)
             return
-        replicas = [r for r in records if (r.start, r.end) == (start, end) and r.state == PeerState.ONLINE
+        replicas = [r.peer_id for r in records if (r.start, r.end) == (start, end) and r.state == PeerState.ONLINE
                     and r.peer_id != str(self.node.peer_id)]
-        for record in replicas:
-            try:
-                stream = await links.get(record.peer_id)
-                reply, flat = await stream.call(ParamsFetch(start=start, end=end), None, self.config.request_timeout)
-                training.load_params(flat)
-            except Exception as e:
-                logger.warning("Could not fetch parameters from replica ...%s: %s", record.peer_id[-6:], e)
-                continue
-            logger.info("Fetched the current parameters of blocks %d:%d from replica ...%s (its step %d)", start,
-                        end, record.peer_id[-6:], reply.step)
-            return
+        await training.start_from_replicas(replicas, self.config.request_timeout)
 
     async def _choose_blocks(self) -> tuple[int, int]:
         if self.config.block_indices is not None:

@@ -13,7 +13,9 @@ than the trainer sent it. So a stage peer that dies mid-step costs a retry of th
 
 Stages with several replicas (peers serving the same span) split each step's micro-batches in proportion to
 their speed; each replica takes a full AdamW step on its share, and every ``average_every`` steps the
-replicas average their parameters (``peers.averaging``, DiLoCo-style).
+replicas average their parameters (``peers.averaging``, DiLoCo-style). Opening a run takes two rounds: every
+replica reports its step in the run, then one behind its span's most advanced replica is re-opened with that
+step and catches up from it (weights and step count), so newer weights are never replaced by older ones.
 
 Weight staleness is zero: a step's micro-batches all see the same weights, because stages apply updates
 only on ``train_apply`` and the next step starts after it. The price is a pipeline fill and drain per step
@@ -135,30 +137,43 @@ class SwarmTrainer:
             self.assignment.append([used.index(i) for i in order])
             self.shares.append([order.count(i) for i in used])
         self.stages = [group[0] for group in self.replicas]
-        request_steps = []
-        for group, shares in zip(self.replicas, self.shares, strict=True):
-            peer_ids = [r.peer_id for r in group]
+        steps: dict[str, int] = {}  # each replica's step in this run
+        for group, shares in zip(self.replicas, self.shares, strict=True):  # 1. open the run everywhere as it is
             for record, share in zip(group, shares, strict=True):
-                reply, _ = await self._call(record.peer_id, TrainOpen(
-                    run_id=self.run_id, start=record.start, end=record.end, optim=self.optim.to_dict(),
-                    accumulation=share, keep_activations=self.keep_activations,
-                    checkpoint_every=self.checkpoint_every, replicas=peer_ids, average_every=self.average_every,
-                    outer_lr=self.outer_lr, outer_momentum=self.outer_momentum, explicit_apply=True,
-                    run_step=run_step,
-                ), None)
-                request_steps.append(reply.step)
+                steps[record.peer_id] = await self._open(record, share, [r.peer_id for r in group], 0)
+        for group, shares in zip(self.replicas, self.shares, strict=True):  # 2. replicas behind catch up
+            ahead = max(steps[r.peer_id] for r in group)
+            ordered = sorted((r.peer_id for r in group), key=lambda p: -steps[p])  # most advanced first
+            for record, share in zip(group, shares, strict=True):
+                if steps[record.peer_id] < ahead:
+                    logger.info("Run %s: replica ...%s of %d:%d is at step %d, behind ...%s at step %d: it catches "
+                                "up", self.run_id, record.peer_id[-6:], record.start, record.end,
+                                steps[record.peer_id], ordered[0][-6:], ahead)
+                    steps[record.peer_id] = await self._open(record, share, ordered, ahead)
+        request_steps = [steps[r.peer_id] for group in self.replicas for r in group]
         self.run_step = max(run_step, *request_steps)
         logger.info("Run %s: stages %s (their steps: %s)", self.run_id, " -> ".join(
             f"{g[0].start}:{g[0].end}@" + "+".join(f"...{r.peer_id[-6:]}" for r in g) for g in self.replicas),
             request_steps)
         return self.stages
 
+    async def _open(self, record: PeerRecord, share: int, replicas: list[str], run_step: int) -> int:
+        """Open the run on one replica; a ``run_step`` above its step makes it catch up from the first replica
+        listed that is ahead of it (``peers.training_rpc``). Returns its step in the run."""
+        reply, _ = await self._call(record.peer_id, TrainOpen(
+            run_id=self.run_id, start=record.start, end=record.end, optim=self.optim.to_dict(), accumulation=share,
+            keep_activations=self.keep_activations, checkpoint_every=self.checkpoint_every, replicas=replicas,
+            average_every=self.average_every, outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
+            explicit_apply=True, run_step=run_step,
+        ), None)
+        return reply.step
+
     async def _adopt_joiners(self) -> None:
         """Add peers that started serving a span of the pipeline since it was chosen, as more replicas of it.
 
         Only replicas of the spans in use join: switching to another tiling mid-run would hand blocks to peers
-        that never trained them. A joiner fetched its span's parameters from a replica when it started, starts
-        its step count at the run's (``TrainOpen.run_step``) and is averaged with the others every H steps.
+        that never trained them. A joiner behind the span's most advanced replica takes that one's parameters and
+        step count when the run is opened (``start_async``) and is averaged with the others every H steps.
         """
         self._chosen_at = time.monotonic()
         banned = self.client.router.banned()

@@ -3,7 +3,13 @@
 A peer trains its whole block span for one run at a time; the stream that opened the run owns it. The
 peer owns its blocks' parameters and AdamW state (``peers.training.StageTrainer``) and steps when it has
 seen the run's ``accumulation`` backward passes. If the owning stream ends mid-step, the partial gradients
-are discarded: no half-applied update. The weights it trains are the ones it serves for inference.
+are discarded: no half-applied update. The weights it trains are the ones it serves for inference, so only the
+trainers its operator allowed (``peers.trainers``, ``--trainers``) may open, run and commit steps.
+
+Replicas of a span never replace newer weights with older ones. A restarted peer keeps its own checkpoint and only
+reports a replica that serves another step (it cannot tell that replica's run); when a trainer opens the run, a
+replica behind the run's most advanced replica fetches that one's parameters (the trainer names the replicas, most
+advanced first, and the step to reach), and a checkpoint never overwrites a newer step of the same run.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
@@ -29,20 +36,33 @@ from peers.protocol import (
     TrainForward,
     TrainOpen,
 )
+from peers.trainers import TrainerPolicy
 from peers.training import GradientError, OptimConfig, StageTrainer
 from peers.training.state import read_state_info
 
 logger = logging.getLogger(__name__)
 
 MAX_PENDING = 64  # micro-batches forwarded and not yet backwarded, per run
+TRAINER_KINDS = (TrainOpen, TrainForward, TrainBackward, TrainApply)  # what only an allowed trainer may send
+
+
+def training_refusal(training: TrainingRPC | None, request: object, caller: str) -> str:
+    """Why peer ``caller`` may not make this training request here ('' if it may). Replicas' pushes are checked
+    against the run's replicas on arrival; a fetch of the current parameters is open to anyone admitted."""
+    if training is None:
+        return TrainerPolicy().refusal(caller)
+    if isinstance(request, TRAINER_KINDS):
+        return training.trainers.refusal(caller)
+    return ""
 
 
 class TrainingRPC:
     """Serves training requests for one peer's blocks (``blocks`` is the backend's ``StageBlocks``)."""
 
-    def __init__(self, blocks: StageBlocks, info: StageInfo, *, checkpoint_dir: Path | None = None,
-                 stream_for: StreamFor | None = None, average_timeout: float = 30.0) -> None:
-        self.blocks, self.info, self.checkpoint_dir = blocks, info, checkpoint_dir
+    def __init__(self, blocks: StageBlocks, info: StageInfo, *, trainers: TrainerPolicy,
+                 checkpoint_dir: Path | None = None, stream_for: StreamFor | None = None,
+                 average_timeout: float = 30.0) -> None:
+        self.blocks, self.info, self.checkpoint_dir, self.trainers = blocks, info, checkpoint_dir, trainers
         self.stream_for, self.average_timeout = stream_for, average_timeout  # streams to other peers (averaging)
         self.averager: ReplicaAverager | None = None
         self.average_every = 0
@@ -50,14 +70,25 @@ class TrainingRPC:
         self.run_id = ""
         self.owner: object | None = None  # the stream that opened the run
         self.checkpoint_every = 0
+        self.fetched_step = 0  # with no run open: the step of the replica whose parameters we loaded at start
+        self._opening = asyncio.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-train")
 
     @property
     def step(self) -> int:
-        return 0 if self.trainer is None else self.trainer.step
+        """The step of the weights we serve: our run's, else that of the replica we started from."""
+        return self.fetched_step if self.trainer is None else self.trainer.step
 
-    def open(self, request: TrainOpen, stream: object) -> int:
-        """Join ``request.run_id`` (resuming from this peer's checkpoint if it has one); returns the step."""
+    async def open(self, request: TrainOpen, stream: object) -> int:
+        """Join ``request.run_id`` (resuming from this peer's checkpoint if it has one); returns the step.
+
+        A replica behind ``request.run_step`` catches up: it loads the parameters of the first replica listed that
+        is ahead of it (``_catch_up``) and counts from the run's step.
+        """
+        async with self._opening:  # a catch-up awaits the network: opens of other streams wait for this one
+            return await self._open(request, stream)
+
+    async def _open(self, request: TrainOpen, stream: object) -> int:
         if (request.start, request.end) != (self.info.start, self.info.end):
             raise RequestError(f"training uses a peer's whole span: this peer serves {self.info.start}:"
                                f"{self.info.end}, not {request.start}:{request.end}")
@@ -74,32 +105,39 @@ class TrainingRPC:
         except (TypeError, ValueError) as e:
             raise RequestError(f"bad optimizer config: {e}") from None
         if self.trainer is None or self.run_id != request.run_id:
-            self.save_unsaved(f"before switching to run {request.run_id!r}")
-            self.trainer = StageTrainer(self.blocks, optim, request.accumulation,
-                                        keep_activations=request.keep_activations, max_pending=MAX_PENDING,
-                                        auto_step=not request.explicit_apply)
-            self.run_id = request.run_id
-            path = self._checkpoint_path()
-            if path is not None and (path / "state.json").is_file():
-                self.trainer.load(path)
-                logger.info("Run %r: resumed blocks %d:%d from %s at step %d", self.run_id, self.info.start,
-                            self.info.end, path, self.trainer.step)
+            await self._compute(self._switch, request, optim)  # disk I/O off the event loop (heartbeats go on)
         else:
             self.trainer.reset_accumulation()  # a re-opened run starts its step afresh
             self.trainer.accumulation, self.trainer.auto_step = request.accumulation, not request.explicit_apply
             self.trainer.keep_activations = request.keep_activations
-        if request.run_step > self.trainer.step and any(p != self.info.peer_id for p in request.replicas):
-            # a replica joining (or rejoining) a run under way counts from the run's step, so its lr schedule and
-            # averaging rounds match the others'; its weights are a replica's (fetched at start) or its own, and
-            # the next averaging round brings them in line. A lone stage keeps its count: a mismatch shows.
+        caught_up = False
+        others = [p for p in request.replicas if p != self.info.peer_id]
+        if request.run_step > self.trainer.step and others:
+            # a replica joining (or rejoining) a run under way takes the parameters of a replica ahead of it and
+            # counts from the run's step, so its lr schedule and averaging rounds match the others'. If none ahead
+            # answers, it keeps its own weights and the next averaging round brings them in line. A lone stage
+            # keeps its count: a trainer/stage mismatch shows.
+            caught_up = await self._catch_up(request, others)
             logger.info("Run %r: joined at step %d (from %d) to match the other replicas; AdamW state kept as is",
                         self.run_id, request.run_step, self.trainer.step)
             self.trainer.part.step_count = request.run_step
         self.owner, self.checkpoint_every = stream, request.checkpoint_every
-        self._set_replicas(request)
+        self._set_replicas(request, fresh=caught_up)
         logger.info("Run %r: training blocks %d:%d (accumulation %d, step %d)", self.run_id, self.info.start,
                     self.info.end, request.accumulation, self.trainer.step)
         return self.trainer.step
+
+    def _switch(self, request: TrainOpen, optim: OptimConfig) -> None:
+        """Save the run we leave, then start ``request.run_id`` from our checkpoint of it if we have one."""
+        self.save_unsaved(f"before switching to run {request.run_id!r}")
+        self.trainer = StageTrainer(self.blocks, optim, request.accumulation, keep_activations=request.keep_activations,
+                                    max_pending=MAX_PENDING, auto_step=not request.explicit_apply)
+        self.run_id = request.run_id
+        path = self._checkpoint_path()
+        if path is not None and (path / "state.json").is_file():
+            self.trainer.load(path)
+            logger.info("Run %r: resumed blocks %d:%d from %s at step %d", self.run_id, self.info.start,
+                        self.info.end, path, self.trainer.step)
 
     def resume_latest(self) -> str | None:
         """After a restart: load the newest checkpoint of our span (any run) so we serve trained weights at once;
@@ -121,6 +159,34 @@ class TrainingRPC:
                         self.run_id, state_file.parent, trainer.step)
             return self.run_id
         return None
+
+    async def start_from_replicas(self, peer_ids: list[str], timeout: float) -> None:
+        """At start: a peer with no checkpoint of its span takes the parameters a replica serves now (it may have
+        trained). One that resumed its own checkpoint keeps it: a replica's run is unknown here, so it only says
+        when a replica serves another step (behind: never loaded; ahead: the trainer's next open catches us up)."""
+        for peer_id in peer_ids:
+            try:
+                step, flat = await self._fetch(peer_id, timeout)
+                if self.trainer is None:
+                    self.load_params(flat)
+            except Exception as e:
+                logger.warning("Could not fetch parameters from replica ...%s: %s", peer_id[-6:], e)
+                continue
+            span = f"{self.info.start}:{self.info.end}"
+            if self.trainer is None:
+                self.fetched_step = step
+                logger.info("Fetched the current parameters of blocks %s from replica ...%s (its step %d)", span,
+                            peer_id[-6:], step)
+            elif step < self.trainer.step:
+                logger.warning("Blocks %s: kept our checkpoint of run %r at step %d; replica ...%s serves step %d, "
+                               "older, so its parameters were not loaded", span, self.run_id, self.trainer.step,
+                               peer_id[-6:], step)
+            elif step > self.trainer.step:
+                logger.warning("Blocks %s: kept our checkpoint of run %r at step %d; replica ...%s serves step %d "
+                               "(ahead in this run, or another run): not loaded now; when a trainer opens the run, "
+                               "the replica behind catches up", span, self.run_id, self.trainer.step, peer_id[-6:],
+                               step)
+            return
 
     async def forward(self, request: TrainForward, hidden: torch.Tensor, stream: object) -> torch.Tensor:
         trainer = self._trainer(request.run_id, stream)
@@ -213,9 +279,8 @@ class TrainingRPC:
                            self.info.end)
             return None
         try:
-            if (path / "state.json").is_file() and read_state_info(path).get("step") == self.trainer.step:
+            if self._saved_step(path) == self.trainer.step or not self._save(self.trainer, path):
                 return None
-            self.trainer.save(path)
         except (OSError, ValueError) as e:
             logger.error("Run %r: could not save step %d to %s: %s", self.run_id, self.trainer.step, path, e)
             return None
@@ -231,7 +296,8 @@ class TrainingRPC:
             raise RequestError(f"run {run_id!r} is not open on this stream: send train_open first")
         return self.trainer
 
-    async def _compute(self, fn, *args, **kwargs) -> torch.Tensor:
+    async def _compute(self, fn, *args, **kwargs) -> Any:
+        """``fn`` on the training thread: one computation (or checkpoint) at a time, off the event loop."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
 
@@ -241,13 +307,56 @@ class TrainingRPC:
         safe_run = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.run_id)[:100] or "run"
         return Path(self.checkpoint_dir) / safe_run / f"blocks-{self.info.start}-{self.info.end}"
 
-    def _set_replicas(self, request: TrainOpen) -> None:
+    async def _fetch(self, peer_id: str, timeout: float) -> tuple[int, torch.Tensor]:
+        """A replica's step and current flat parameters (``ParamsFetch``)."""
+        stream = await self.stream_for(peer_id)
+        reply, flat = await stream.call(ParamsFetch(start=self.info.start, end=self.info.end), None, timeout)
+        return reply.step, flat
+
+    async def _catch_up(self, request: TrainOpen, others: list[str]) -> bool:
+        """Load the parameters of the first replica listed (the trainer lists the most advanced first) that is
+        ahead of our step in this run; never older ones. True if we loaded some."""
+        own = self.trainer.step
+        for peer_id in others:
+            try:
+                step, flat = await self._fetch(peer_id, self.average_timeout)
+                if step > own:
+                    self.load_params(flat)
+            except Exception as e:
+                logger.warning("Run %r: could not fetch parameters from replica ...%s: %s", self.run_id, peer_id[-6:],
+                               e)
+                continue
+            if step > own:
+                logger.info("Run %r: caught up from replica ...%s: loaded its parameters of step %d (ours were at "
+                            "step %d)", self.run_id, peer_id[-6:], step, own)
+                return True
+        logger.warning("Run %r: no replica ahead of our step %d answered; keeping our weights and counting from "
+                       "the run's step %d (the next averaging round brings them in line)", self.run_id, own,
+                       request.run_step)
+        return False
+
+    def _saved_step(self, path: Path) -> int | None:
+        return read_state_info(path).get("step") if (path / "state.json").is_file() else None
+
+    def _save(self, trainer: StageTrainer, path: Path) -> bool:
+        """Checkpoint ``trainer`` to ``path`` unless that holds a newer step of this run (then warn, keep it)."""
+        saved = self._saved_step(path)
+        if saved is not None and saved > trainer.step:
+            logger.warning("Run %r: step %d of blocks %d:%d not saved: %s holds step %d of this run, newer, and is "
+                           "kept (these blocks are behind their own checkpoint)", self.run_id, trainer.step,
+                           self.info.start, self.info.end, path, saved)
+            return False
+        trainer.save(path)
+        return True
+
+    def _set_replicas(self, request: TrainOpen, fresh: bool = False) -> None:
+        """Average with the run's other replicas (a new averager when they change, or ``fresh`` weights came)."""
         replicas = [p for p in request.replicas if p != self.info.peer_id]
         self.average_every = request.average_every if replicas else 0
         if not self.average_every:
             self.averager = None
             return
-        if self.averager is None or self.averager.replicas != sorted(replicas):
+        if fresh or self.averager is None or self.averager.replicas != sorted(replicas):
             self.averager = ReplicaAverager(self.info.peer_id, self.run_id, replicas, self.stream_for,
                                             outer_lr=request.outer_lr, outer_momentum=request.outer_momentum,
                                             timeout=self.average_timeout, anchor=self.current_flat())
@@ -262,8 +371,8 @@ class TrainingRPC:
             flat = parameters_to_vector(list(self.blocks.parameters())).detach()
             self.load_params(await self.averager.average(flat))
         path = self._checkpoint_path()
-        if path is not None and self.checkpoint_every and trainer.step % self.checkpoint_every == 0:
-            trainer.save(path)
+        if path is not None and self.checkpoint_every and trainer.step % self.checkpoint_every == 0 and \
+                await self._compute(self._save, trainer, path):
             logger.info("Run %r: step %d checkpointed to %s", self.run_id, trainer.step, path)
 
 

@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 SCHEDULES = ("constant", "linear", "cosine")
+MAX_LR = 1.0  # AdamW moves every weight by about lr per step: above 1 nothing trains, it only destroys
+MAX_CLIP_NORM = 1e6
+MAX_STEPS = 1 << 40
 _KIND_WORDS = {"int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string",
                "path": "a path (string)"}
 
@@ -61,8 +64,12 @@ def _refuse_unknown(where: str, given: dict[str, Any], allowed: dict[str, str]) 
 class OptimConfig:
     """AdamW hyper-parameters, gradient clipping and the learning-rate schedule.
 
-    ``clip_norm=0`` disables clipping. The lr rises linearly over ``warmup_steps`` and then follows
+    ``clip_norm=0`` disables clipping (AdamW's update stays bounded by the lr, and a peer refuses a step that
+    would make a weight non-finite). The lr rises linearly over ``warmup_steps`` and then follows
     ``schedule`` down to ``min_lr_ratio * lr`` at ``total_steps`` (``total_steps=0``: constant after warmup).
+
+    Every value is bounded (lr in (0, 1], eps in (0, 1], weight_decay in [0, 1], ...): the config travels to
+    stage peers, which must not take a trainer's ``lr=1e30`` for their blocks.
     """
 
     lr: float = 1e-3
@@ -82,22 +89,25 @@ class OptimConfig:
         for key, kind in self._TYPES.items():
             setattr(self, key, _check_type("OptimConfig", key, getattr(self, key), kind))
         problems = []
-        if self.lr <= 0:
-            problems.append(f"lr must be > 0, got {self.lr}")
+        if not 0 < self.lr <= MAX_LR:
+            problems.append(f"lr must be > 0 and at most {MAX_LR:g} (AdamW moves each weight by about lr per "
+                            f"step), got {self.lr:g}")
         if not all(0.0 <= b < 1.0 for b in self.betas):
             problems.append(f"betas must lie in [0, 1), got {self.betas}")
-        if self.eps <= 0:
-            problems.append(f"eps must be > 0, got {self.eps}")
-        if self.weight_decay < 0:
-            problems.append(f"weight_decay must be >= 0, got {self.weight_decay}")
-        if self.clip_norm < 0:
-            problems.append(f"clip_norm must be >= 0 (0 disables clipping), got {self.clip_norm}")
-        if self.warmup_steps < 0:
-            problems.append(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0 < self.eps <= 1:
+            problems.append(f"eps must lie in (0, 1], got {self.eps:g}")
+        if not 0 <= self.weight_decay <= 1:
+            problems.append(f"weight_decay must lie in [0, 1], got {self.weight_decay:g}")
+        if not 0 <= self.clip_norm <= MAX_CLIP_NORM:
+            problems.append(f"clip_norm must lie in [0, {MAX_CLIP_NORM:g}] (0 disables clipping), got "
+                            f"{self.clip_norm:g}")
+        if not 0 <= self.warmup_steps <= MAX_STEPS:
+            problems.append(f"warmup_steps must lie in [0, {MAX_STEPS}], got {self.warmup_steps}")
         if self.schedule not in SCHEDULES:
             problems.append(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.total_steps < 0:
-            problems.append(f"total_steps must be >= 0 (0: constant after warmup), got {self.total_steps}")
+        if not 0 <= self.total_steps <= MAX_STEPS:
+            problems.append(f"total_steps must lie in [0, {MAX_STEPS}] (0: constant after warmup), got "
+                            f"{self.total_steps}")
         elif 0 < self.total_steps <= self.warmup_steps:
             problems.append(f"total_steps ({self.total_steps}) must exceed warmup_steps ({self.warmup_steps}), "
                             "or be 0")

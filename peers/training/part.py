@@ -14,6 +14,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
+from peers.finite import all_finite
+
 from .config import OptimConfig
 from .schedule import lr_at, make_optimizer, set_lr
 
@@ -29,12 +31,22 @@ def unique_parameters(*modules: nn.Module) -> list[nn.Parameter]:
     return list(seen.values())
 
 
-class PartOptimizer:
-    """Accumulates gradients for ``params``; ``step()`` clips, applies the lr schedule, steps AdamW, zeroes."""
+class NonFiniteStep(ValueError):
+    """An optimizer step would have made parameters or AdamW moments non-finite; it was rolled back."""
 
-    def __init__(self, params: Iterable[nn.Parameter], optim: OptimConfig) -> None:
+
+class PartOptimizer:
+    """Accumulates gradients for ``params``; ``step()`` clips, applies the lr schedule, steps AdamW, zeroes.
+
+    With ``guard``, a step that leaves any parameter or AdamW moment NaN or infinite is rolled back
+    (``NonFiniteStep``): the part is exactly as before it. The price is a copy of the parameters and moments
+    during each step (peers guard their blocks: a trainer's bad step must never reach what they serve).
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], optim: OptimConfig, *, guard: bool = False) -> None:
         self.params = list({id(p): p for p in params}.values())
         self.optim = optim
+        self.guard = guard
         self.optimizer = make_optimizer(self.params, optim)
         self.step_count = 0  # optimizer steps done
         self.last_grad_norm: float | None = None
@@ -65,7 +77,8 @@ class PartOptimizer:
     def step(self) -> bool:
         """Clip (per part), set the scheduled lr, step AdamW and zero the grads; False if the step was skipped.
 
-        A non-finite accumulated norm (overflow) skips the update and discards the grads.
+        A non-finite accumulated norm (overflow) skips the update and discards the grads. With ``guard``, a
+        step whose result is not finite is undone and ``NonFiniteStep`` raised (the grads are discarded).
         """
         with_grad = [p for p in self.params if p.grad is not None]
         max_norm = self.optim.clip_norm if self.optim.clip_norm > 0 else math.inf
@@ -74,14 +87,50 @@ class PartOptimizer:
         stepped = math.isfinite(norm)
         if stepped:
             set_lr(self.optimizer, lr_at(self.optim, self.step_count))
+            saved = self._snapshot() if self.guard else None
             self.optimizer.step()
+            if saved is not None and (bad := self._non_finite()):
+                self._restore(saved)
+                self.zero_grad()
+                raise NonFiniteStep(f"optimizer step {self.step_count + 1} would have made {bad} of {len(self.params)} "
+                                    "parameter tensor(s) (or their AdamW moments) NaN or infinite; it was rolled "
+                                    "back: weights, AdamW state and step count are as before")
             self.step_count += 1
         else:
             logger.warning("skipping optimizer step %d: accumulated grad-norm is %s", self.step_count, norm)
         self.zero_grad()
         return stepped
 
+    def _snapshot(self) -> list[tuple[torch.Tensor, dict | None]]:
+        with torch.no_grad():
+            return [(p.detach().clone(), _copy_state(self.optimizer.state.get(p))) for p in self.params]
+
+    def _restore(self, saved: list[tuple[torch.Tensor, dict | None]]) -> None:
+        with torch.no_grad():
+            for p, (value, state) in zip(self.params, saved, strict=True):
+                p.copy_(value)
+                if state is None:
+                    self.optimizer.state.pop(p, None)
+                else:
+                    self.optimizer.state[p] = state
+
+    def _non_finite(self) -> int:
+        """How many parameters have a non-finite value or AdamW moment after the step."""
+        def tensors(p: nn.Parameter) -> list[torch.Tensor]:
+            state = self.optimizer.state.get(p, {})
+            return [p, *(state[k] for k in ("exp_avg", "exp_avg_sq") if k in state)]
+
+        if all_finite(t for p in self.params for t in tensors(p)):
+            return 0
+        return sum(not all_finite(tensors(p)) for p in self.params)
+
     def zero_grad(self) -> None:
         """Discard accumulated gradients."""
         for p in self.params:
             p.grad = None
+
+
+def _copy_state(state: dict | None) -> dict | None:
+    if not state:
+        return None
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}

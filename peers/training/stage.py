@@ -7,7 +7,8 @@ parameter gradients. After ``accumulation`` backward passes the stage clips its 
 
 A graph saved before an optimizer step is stale (its weights changed): backward then recomputes the
 forward from the saved input with the current weights. Gradients are checked before they touch the
-accumulators, so a bad micro-batch (``GradientError``) leaves parameters and accumulated grads as they were.
+accumulators, so a bad micro-batch (``GradientError``) leaves parameters and accumulated grads as they were, and
+a step that would make a weight non-finite is rolled back and refused (``GradientError``): it is never served.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from peers.finite import all_finite
 from peers.model.blocks import StageBlocks
 
 from .config import OptimConfig
-from .part import PartOptimizer
+from .part import NonFiniteStep, PartOptimizer
 from .state import load_stage_state, save_stage_state
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class StageTrainer:
         self.keep_activations = keep_activations
         self.max_pending = max_pending
         self.auto_step = auto_step  # step after ``accumulation`` backwards; else only when ``apply`` is called
-        self.part = PartOptimizer(self.blocks.parameters(), optim)
+        self.part = PartOptimizer(self.blocks.parameters(), optim, guard=True)  # never commits NaN/inf weights
         self.version = 0  # bumped whenever the weights change (optimizer step or load)
         self.micro_count = 0  # backward passes since the last optimizer step
         self._pending: dict[str, _Saved] = {}
@@ -152,8 +153,14 @@ class StageTrainer:
             raise GradientError(f"gradient for {micro_id!r} contains NaN or inf; the micro-batch was dropped")
 
     def _optimizer_step(self) -> None:
-        stepped = self.part.step()
-        self.micro_count = 0
+        try:
+            stepped = self.part.step()
+        except NonFiniteStep as e:
+            raise GradientError(f"blocks {self.blocks.start}:{self.blocks.end}: {e}; the step's gradients were "
+                                "discarded (lower the lr, check the gradients; with float16 weights AdamW's eps "
+                                "underflows: use bfloat16 or float32)") from None
+        finally:
+            self.micro_count = 0
         if stepped:
             self.version += 1
             logger.debug("blocks [%d, %d): step %d, grad-norm %.4g", self.blocks.start, self.blocks.end,

@@ -34,8 +34,8 @@ def llama_client(llama_swarm, llama_dir) -> Iterator[SwarmClient]:
 
 @pytest.fixture
 def fresh_swarm(tmp_path) -> Iterator[LocalSwarm]:
-    """An empty swarm (bootstrap peer only) for tests that kill or add peers."""
-    with LocalSwarm(tmp_path, update_period=1.0) as swarm:
+    """An empty swarm (bootstrap peer only) for tests that kill or add peers; its peers allow its trainer."""
+    with LocalSwarm(tmp_path, update_period=1.0, train=True) as swarm:
         swarm.start_dht()
         yield swarm
 

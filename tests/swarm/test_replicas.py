@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from peers.client import SwarmClient
-from peers.config import ClientConfig, SwarmConfig
+from peers.config import ClientConfig
 from peers.trainer import SwarmTrainer
 from peers.training import OptimConfig, TokenBatches, encode_bytes
 from peers.training.state import read_state_info
@@ -31,7 +31,7 @@ def test_replicas_average_and_a_late_replica_catches_up_and_joins(fresh_swarm, l
     b = swarm.start_peer(llama_dir, block_indices="4:8", wait=False, name="b", extra=ckpt["b"])
     for proc in (first, a, b):
         swarm.wait_ready(proc)
-    config = ClientConfig(swarm=SwarmConfig(initial_peers=tuple(swarm.initial_peers)), request_timeout=30)
+    config = ClientConfig(swarm=swarm.trainer_config(), request_timeout=30)
     run_id = "replicas"
     with SwarmClient(llama_dir, config=config) as client:
         client.wait_for_records(3)
@@ -76,16 +76,17 @@ def test_a_joiner_busy_with_another_trainer_is_skipped_and_both_runs_go_on(fresh
     for proc in first:
         swarm.wait_ready(proc)
     data = TokenBatches(encode_bytes(TEXT), seq_len=16, micro_batch=2, seed=0)
-    peers = tuple(swarm.initial_peers)
-    with SwarmClient(llama_dir, config=ClientConfig(swarm=SwarmConfig(initial_peers=peers))) as client:
+    with SwarmClient(llama_dir, config=ClientConfig(swarm=swarm.trainer_config())) as client:
         client.wait_for_records(2)
         trainer = SwarmTrainer(client, OptimConfig(lr=5e-3), 2, run_id="one", rechoose_every=0.1)
         assert trainer.train_step([data.next_micro() for _ in range(2)]).stage_steps == [1, 1]
 
-        second = [swarm.start_peer(llama_dir, block_indices=s, wait=False, name=f"two-{s}") for s in ("0:4", "4:8")]
+        both = f"{swarm.trainer_id()},{swarm.trainer_id('other')}"  # they allow both trainers: busy is why they refuse
+        second = [swarm.start_peer(llama_dir, block_indices=s, wait=False, name=f"two-{s}", trainers=both)
+                  for s in ("0:4", "4:8")]
         for proc in second:
             swarm.wait_ready(proc)
-        other = ClientConfig(swarm=SwarmConfig(initial_peers=peers), allowed_peers=tuple(p.peer_id for p in second))
+        other = ClientConfig(swarm=swarm.trainer_config("other"), allowed_peers=tuple(p.peer_id for p in second))
         with SwarmClient(llama_dir, config=other) as other_client:
             other_client.wait_for_records(2)
             other_trainer = SwarmTrainer(other_client, OptimConfig(lr=5e-3), 2, run_id="two")

@@ -36,7 +36,7 @@ def _write_config(path: Path, model_dir: Path, **overrides) -> Path:
 def _train(swarm: LocalSwarm, config: Path, *args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess,
                                                                                           dict | None]:
     done = subprocess.run([sys.executable, "-m", "peers.cli", "train", str(config), "--initial_peers",
-                           *swarm.initial_peers, "--eval_windows", "8", *args],
+                           *swarm.initial_peers, *swarm.trainer_flags(), "--eval_windows", "8", *args],
                           capture_output=True, text=True, timeout=timeout)
     lines = [line for line in done.stdout.splitlines() if line.startswith("summary ")]
     return done, json.loads(lines[-1][len("summary "):]) if lines else None
@@ -46,7 +46,7 @@ def _train(swarm: LocalSwarm, config: Path, *args: str, timeout: float = 120) ->
 def stage_swarm(llama_dir, tmp_path_factory) -> Iterator[LocalSwarm]:
     """Blocks 0:3, 3:6 and 6:8 of the tiny Llama on three peers that checkpoint their blocks."""
     workdir = tmp_path_factory.mktemp("train_cli")
-    with LocalSwarm(workdir, update_period=1.0) as swarm:
+    with LocalSwarm(workdir, update_period=1.0, train=True) as swarm:
         swarm.start_dht()
         procs = [swarm.start_peer(llama_dir, block_indices=span, wait=False, name=f"stage{i}",
                                   extra=["--checkpoint_dir", str(workdir / f"peer{i}")])

@@ -21,7 +21,7 @@ TEXT = "A swarm of ordinary computers trains one model together, block by block.
 
 
 def _start(workdir, llama_dir) -> LocalSwarm:
-    swarm = LocalSwarm(workdir, update_period=2.0)
+    swarm = LocalSwarm(workdir, update_period=2.0, train=True)  # the peers allow the swarm's trainer
     swarm.start_dht()
     procs = [swarm.start_peer(llama_dir, block_indices=span, wait=False, name=f"stage{i}",
                               extra=["--checkpoint_dir", str(workdir / f"ckpt{i}")])
@@ -45,9 +45,10 @@ def fresh_train_swarm(llama_dir, tmp_path) -> Iterator[LocalSwarm]:
         yield swarm
 
 
-def _client(swarm: LocalSwarm, model_dir) -> SwarmClient:
-    client = SwarmClient(model_dir, config=ClientConfig(swarm=SwarmConfig(initial_peers=tuple(swarm.initial_peers)),
-                                                        request_timeout=20))
+def _client(swarm: LocalSwarm, model_dir, trainer: bool = True) -> SwarmClient:
+    """The swarm's trainer (the identity its peers allow), or with ``trainer=False`` a client with a fresh one."""
+    config = swarm.trainer_config() if trainer else SwarmConfig(initial_peers=tuple(swarm.initial_peers))
+    client = SwarmClient(model_dir, config=ClientConfig(swarm=config, request_timeout=20))
     client.wait_for_records(2)
     return client
 
@@ -140,7 +141,7 @@ def test_bad_gradients_are_refused_and_nothing_is_applied(train_swarm, llama_dir
 
 def test_a_vanished_trainer_leaves_no_half_applied_update(train_swarm, llama_dir):
     ids = torch.arange(12)[None]
-    with _client(train_swarm, llama_dir) as observer:
+    with _client(train_swarm, llama_dir, trainer=False) as observer:
         before = observer.forward(ids)
         with _client(train_swarm, llama_dir) as client:
             trainer = SwarmTrainer(client, OPTIM, 4, run_id="vanishing")
@@ -183,7 +184,7 @@ def test_a_stage_peer_that_dies_mid_run_costs_a_retry_not_a_step(fresh_swarm, ll
     b = swarm.start_peer(llama_dir, block_indices="4:8", wait=False, name="b")
     for proc in (first, a, b):
         swarm.wait_ready(proc)
-    config = ClientConfig(swarm=SwarmConfig(initial_peers=tuple(swarm.initial_peers)), request_timeout=4)
+    config = ClientConfig(swarm=swarm.trainer_config(), request_timeout=4)
     with SwarmClient(llama_dir, config=config) as client:
         client.wait_for_records(3)
         trainer = SwarmTrainer(client, OPTIM, 2, in_flight=2, run_id="survivor")
@@ -206,7 +207,7 @@ def test_a_restarted_stage_peer_resumes_from_its_checkpoint(fresh_swarm, llama_d
     flags = ["--checkpoint_dir", str(swarm.workdir / "ckpt"), "--identity_path", str(identity)]
     swarm.start_peer(llama_dir, block_indices="0:4", name="stage0")
     stage1 = swarm.start_peer(llama_dir, block_indices="4:8", name="stage1", extra=flags)
-    config = ClientConfig(swarm=SwarmConfig(initial_peers=tuple(swarm.initial_peers)), request_timeout=20)
+    config = ClientConfig(swarm=swarm.trainer_config(), request_timeout=20)
     hidden = torch.randn(1, 5, 64)
     with SwarmClient(llama_dir, config=config) as client:
         client.wait_for_records(2)

@@ -36,6 +36,22 @@ def test_optim_from_dict_refuses_bad_input(d: dict, match: str) -> None:
         OptimConfig.from_dict(d)
 
 
+@pytest.mark.parametrize("d, match", [
+    ({"lr": 1e30, "clip_norm": 0.0}, "lr must be > 0 and at most 1"),  # the attack: NaN for every client
+    ({"lr": 1.5}, "lr must be > 0 and at most 1"),
+    ({"eps": 10.0}, r"eps must lie in \(0, 1\]"),
+    ({"weight_decay": 1e9}, r"weight_decay must lie in \[0, 1\]"),
+    ({"clip_norm": 1e300}, "clip_norm must lie in"),
+    ({"clip_norm": -1.0}, "clip_norm must lie in"),
+    ({"warmup_steps": 1 << 62}, "warmup_steps must lie in"),
+    ({"total_steps": 1 << 62}, "total_steps must lie in"),
+])
+def test_finding_01_optim_config_from_a_trainer_is_bounded(d: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        OptimConfig.from_dict(d)
+    assert OptimConfig.from_dict({"lr": 1.0, "clip_norm": 0.0}).clip_norm == 0.0  # 0: no clipping, documented
+
+
 def test_optim_from_dict_refuses_non_dict() -> None:
     with pytest.raises(ValueError, match="expected a dict"):
         OptimConfig.from_dict([("lr", 1.0)])  # type: ignore[arg-type]
@@ -49,9 +65,9 @@ def test_lr_schedule_warmup_and_decays() -> None:
     assert lr_at(cos, 2) == 1.0
     assert math.isclose(lr_at(cos, 7), 0.55)  # half way: min + (1 - min) / 2
     assert math.isclose(lr_at(cos, 12), 0.1) and math.isclose(lr_at(cos, 50), 0.1)
-    lin = OptimConfig(lr=2.0, total_steps=10, schedule="linear", min_lr_ratio=0.0)
-    assert [lr_at(lin, s) for s in (0, 5, 10)] == [2.0, 1.0, 0.0]
-    assert lr_at(OptimConfig(lr=2.0, total_steps=10, schedule="constant"), 9) == 2.0
+    lin = OptimConfig(lr=1.0, total_steps=10, schedule="linear", min_lr_ratio=0.0)
+    assert [lr_at(lin, s) for s in (0, 5, 10)] == [1.0, 0.5, 0.0]
+    assert lr_at(OptimConfig(lr=0.5, total_steps=10, schedule="constant"), 9) == 0.5
     with pytest.raises(ValueError):
         lr_at(cos, -1)
 
