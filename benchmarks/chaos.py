@@ -25,7 +25,8 @@ idle replica, since sessions follow the lowest-latency chain).
 runs the prompt): tau is the median step time of the whole run (first steps have their own median). A step is
 *stalled* if it took more than 3 tau + 50 ms; its excess (duration - tau) is attributed to the first kill that
 happened during the step, or else to the last kill before it started. Stalled steps before the first kill are
-reported as the control (this machine's noise); a warm-up before the control, until every loop has finished a
+reported as the control (this machine's noise; its worst session's excess compares with a kill's time lost,
+though the control lasts one kill period only); a warm-up before the control, until every loop has finished a
 session (so opened its streams), is left out. A session's loss for a kill is the sum of its attributed excesses,
 and **a kill's time lost is that of its worst-hit session** (what a user of that session saw); the median and
 max over kills are reported, over all kills and over the kills whose victim held sessions at that moment (the
@@ -36,7 +37,8 @@ restarting peer takes from the others. A session fails if generation raises; ses
 after the end are cancelled and counted as failed.
 
 **train**: 3 stages (blocks 0:2, 2:4, 4:6 of a 6-block model; ``--train_replicas R`` adds R replicas of 2:4,
-averaged every ``--average_every`` steps), every peer with ``--checkpoint_dir``; ``SwarmTrainer`` as ``swarm
+averaged every ``--average_every`` steps), every peer with ``--checkpoint_dir`` and ``--trainers`` naming the
+trainer's peer id (``LocalSwarm(train=True)``: training is opt-in for peers); ``SwarmTrainer`` as ``swarm
 train`` sets it up (``checkpoint_every`` 1 by default, request timeout 60 s, rechoose_every 30 s) runs
 ``--steps`` steps of 4 micro-batches of 4 x 64 tokens, 4 in flight. After each step in ``--kill_steps``, half a
 median step later (so mid-step) one stage peer is SIGKILLed; the victims, in turn: the 2:4 peer, the 4:6 peer,
@@ -47,8 +49,8 @@ the longest gap between consecutive committed steps, among the steps committed f
 minus the median gap. *Steps lost*: each peer's step count (its checkpoint's) against the trainer's at the end
 for the peers of the pipeline at the end (a restarted lone stage that lost a step stays behind; a replica
 re-aligns to the run's count, so for it this shows nothing; peers the run left out are listed apart); *steps
-redone*: step attempts that failed and were retried. Without replicas the final held-out
-loss and every step's loss are compared with ``LocalTrainer`` (same split, same micro-batches, one process):
+redone*: step attempts that failed and were retried. Without replicas the final held-out loss and every step's
+loss are compared with ``LocalTrainer`` (same split, same micro-batches, one process):
 a swarm run without kills equals it bit for bit (``benchmarks/train.py``), so any difference is the kills'.
 """
 
@@ -75,15 +77,6 @@ from rich.console import Console
 from rich.progress import Progress
 
 from peers.launch import READY_PEER, LocalSwarm, SwarmProcess
-
-
-def training_flags(trainer_peer_id: str) -> list[str]:
-    """The flags a stage peer needs to take part in the trainer's run: the one place to change when `swarm peer`
-    changes. Training is on by default today (``--no_train`` refuses it); if the peer has a ``--trainers`` flag
-    (training made opt-in), the trainer's peer id goes there."""
-    usage = subprocess.run([sys.executable, "-m", "peers.cli", "peer", "--help"], capture_output=True, text=True,
-                           timeout=60).stdout
-    return ["--trainers", trainer_peer_id] if "--trainers" in usage else []
 
 
 @dataclass

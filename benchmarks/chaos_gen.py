@@ -99,6 +99,7 @@ def time_lost(sessions: list[Session], kills: list[dict], t0: float) -> dict:
     lost = [dict() for _ in kills]  # session index -> excess seconds
     failover = [dict() for _ in kills]
     control = {"stalled_steps": 0, "excess_s": 0.0, "steps": 0}
+    quiet: dict[int, float] = {}  # session index -> excess of its stalled steps before the first kill
     for s in sessions:
         for i, (a, b, replaced) in enumerate(s.steps):
             if a < t0:
@@ -115,6 +116,7 @@ def time_lost(sessions: list[Session], kills: list[dict], t0: float) -> dict:
             if k < 0:
                 control["stalled_steps"] += stalled
                 control["excess_s"] += excess if stalled else 0.0
+                quiet[s.index] = quiet.get(s.index, 0.0) + (excess if stalled else 0.0)
                 continue
             if stalled:
                 lost[k][s.index] = lost[k].get(s.index, 0.0) + excess
@@ -133,6 +135,7 @@ def time_lost(sessions: list[Session], kills: list[dict], t0: float) -> dict:
 
     hit = [k for k in kills if k["sessions_on_victim"] > 0]
     control["excess_s"] = round(control["excess_s"], 3)
+    control["worst_session_excess_s"] = round(max(quiet.values(), default=0.0), 3)  # compare with a kill's
     return {
         "tau_step_s": round(tau, 4), "tau_first_step_s": round(tau_first, 4),
         "time_lost_per_kill_s": stats("time_lost_s", kills),

@@ -7,18 +7,16 @@ import threading
 import time
 from pathlib import Path
 
-from chaos import Chaos, LogTap, progress_bar, public_events, scan_peer_logs, training_flags
+from chaos import Chaos, LogTap, progress_bar, public_events, scan_peer_logs
 
 from peers.client import SwarmClient
-from peers.config import ClientConfig, SwarmConfig
+from peers.config import ClientConfig
 from peers.launch import LocalSwarm
 from peers.model import make_tiny_model
 from peers.train_loop import held_out_loss
 from peers.trainer import SwarmTrainer
 from peers.training import LocalTrainer, OptimConfig, TokenBatches, encode_bytes, read_corpus
 from peers.training.state import read_state_info
-from privacy.identity import Identity
-from privacy.peer_ids import peer_id_of
 
 MODEL = dict(family="llama", hidden_size=64, num_layers=6, num_heads=4, num_kv_heads=2, intermediate_size=128)
 SPANS = [(0, 2), (2, 4), (4, 6)]
@@ -55,26 +53,25 @@ def run_train(args, workdir: Path) -> dict:
     kills = args.kill_steps if args.kill_steps is not None else [steps // 4, steps // 2, 3 * steps // 4]
     kill_steps = sorted({k for k in kills if 1 <= k < steps})
     model_dir = make_tiny_model(workdir / "llama-chaos-train", seed=SEED, **MODEL)
-    trainer_id = workdir / "ids" / "trainer.id"
-    flags = training_flags(peer_id_of(Identity.load_or_create(trainer_id).public_bytes))
     tap = LogTap(workdir / "logs" / "trainer.log")
     errors: list[dict] = []
     commits: list[float] = []
     losses: list[float] = []
     abandoned, last = None, None
     try:
-        with LocalSwarm(workdir, update_period=args.update_period) as swarm, progress_bar() as progress:
+        # train=True: every peer gets `--trainers <our trainer's peer id>` (training is opt-in for peers)
+        with LocalSwarm(workdir, update_period=args.update_period, train=True) as swarm, progress_bar() as progress:
             swarm.start_dht()
             chaos = Chaos(swarm, model_dir, args.restart_after)
             peers = [(f"stage{i}", span) for i, span in enumerate(SPANS)]
             peers[2:2] = [(f"stage1-replica{r}", SPANS[1]) for r in range(1, args.train_replicas + 1)]
             for name, (a, b) in peers:
-                chaos.add(name, f"{a}:{b}", ["--checkpoint_dir", str(workdir / "ckpt" / name), *flags])
+                chaos.add(name, f"{a}:{b}", ["--checkpoint_dir", str(workdir / "ckpt" / name)])
             chaos.start()
             by_name = {slot.name: slot for slot in chaos.slots}  # victims in turn: 2:4, 4:6, 2:4's replicas, 0:2
             order = [by_name["stage1"], by_name["stage2"], *(by_name[n] for n, _ in peers[2:-1]), by_name["stage0"]]
-            config = ClientConfig(swarm=SwarmConfig(initial_peers=tuple(swarm.initial_peers), identity_path=trainer_id),
-                                  request_timeout=REQUEST_TIMEOUT)
+            config = ClientConfig(swarm=swarm.trainer_config(), request_timeout=REQUEST_TIMEOUT)
+            flags = ["--trainers", swarm.trainer_id()]
             try:
                 with SwarmClient(model_dir, config=config) as client:
                     client.wait_for_records(len(chaos.slots))
