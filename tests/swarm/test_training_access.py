@@ -87,6 +87,30 @@ def test_finding_01_stranger_cannot_train(fresh_swarm, llama_dir):
         assert torch.isfinite(after).all() and not torch.equal(after, served)  # its operator chose this trainer
 
 
+def test_finding_01_a_step_that_would_serve_nan_is_rolled_back(fresh_swarm, llama_dir):
+    """Defence in depth against an allowed but buggy trainer: float16 AdamW turns a zero gradient into NaN (its eps
+    underflows); the peer rolls that step back and refuses it, and keeps serving finite, unchanged outputs."""
+    swarm = fresh_swarm
+    peer = swarm.start_peer(llama_dir, block_indices="0:8", name="half", extra=["--torch_dtype", "float16"])
+    hidden = torch.randn(2, 6, 64, dtype=torch.float16)
+    with SwarmClient(llama_dir, config=ClientConfig(swarm=swarm.trainer_config(), torch_dtype="float16",
+                                                    request_timeout=20)) as client:
+        client.wait_for_records(1)
+        stream = client.loop.run(client.peer_stream(peer.peer_id))
+
+        def call(message, tensor=None):
+            return client.loop.run(stream.call(message, tensor, 20))
+
+        before = client.loop.run(client.call_forward(peer.peer_id, hidden, 0, 8))
+        call(TrainOpen(run_id="half", start=0, end=8, optim=OPTIM.to_dict(), accumulation=1, explicit_apply=True))
+        _, out = call(TrainForward(run_id="half", micro_id="zero"), hidden)
+        call(TrainBackward(run_id="half", micro_id="zero"), torch.zeros_like(out))
+        with pytest.raises(RequestError, match="NaN or infinite; it was rolled back"):
+            call(TrainApply(run_id="half", micro_batches=1))
+        after = client.loop.run(client.call_forward(peer.peer_id, hidden, 0, 8))
+        assert torch.isfinite(after).all() and torch.equal(after, before)
+
+
 def test_finding_12_a_restarted_peer_keeps_newer_weights_and_the_replica_behind_catches_up(fresh_swarm, llama_dir):
     """A trained 4:8 peer (step 3) restarts while an untrained 4:8 replica (step 0) serves: it keeps its own
     checkpoint and says so, naming both steps; when the trainer opens the run, the replica behind catches up."""
