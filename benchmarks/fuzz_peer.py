@@ -9,7 +9,8 @@ field types, bad tensors (dtypes, shapes, sizes, compression, sealing), chunk co
 sent, raw bytes, bad markers, undecodable and truncated frames, and a frame that declares 2^40 bytes followed by
 some MiB. Every ``--batch`` messages a well-behaved client checks that a forward through the peer (on a stream
 opened at the start and on a fresh one) equals a local forward of the same blocks, and the peer's RSS is sampled
-from /proc. At the end the tracebacks in the peer's log are counted.
+from /proc. At the end ``--partial_frames`` streams each send all but the last byte of a 4 MiB frame and wait,
+and the tracebacks in the peer's log are counted.
 """
 
 from __future__ import annotations
@@ -270,8 +271,25 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
+async def hold_partial_frames(p2p, peer_id: str, pid: int, count: int) -> dict:
+    """``count`` streams that each send a frame of the largest size allowed but one byte, then wait: the peer's
+    RSS while they are held, and 3 s after they close."""
+    writers = []
+    for _ in range(count):
+        _, _, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), INFERENCE_HANDLE)
+        await _write(writer, [b"\x00" + MAX_FRAME.to_bytes(8, "big") + bytes(MAX_FRAME - 1)])
+        writers.append(writer)
+    await asyncio.sleep(3)
+    held = rss_mib(pid)
+    for writer in writers:
+        writer.close()
+    await asyncio.sleep(3)
+    return dict(partial_frames=count, rss_partial_frames_held_mib=round(held, 1),
+                rss_partial_frames_closed_mib=round(rss_mib(pid), 1))
+
+
 async def fuzz(swarm: LocalSwarm, proc, model_dir: Path, *, messages: int, batch: int, streams: int,
-               seed: int) -> dict:
+               seed: int, partial_frames: int) -> dict:
     node = await start_node(initial_peers=swarm.initial_peers, client_mode=True)
     try:
         for _ in range(100):
@@ -304,6 +322,7 @@ async def fuzz(swarm: LocalSwarm, proc, model_dir: Path, *, messages: int, batch
             print(f"sent {tally.sent}, refused {tally.refused}, checks {passed}/{checks}, rss {rss[-1]:.0f} MiB",
                   flush=True)
         long_lived.shutdown()
+        partial = await hold_partial_frames(p2p, peer_id, proc.pid, partial_frames)
         log = proc.log()
         return dict(messages_sent=tally.sent, replies=tally.replies, refused=tally.refused,
                     internal_errors=tally.internal, streams_closed_by_peer=tally.closed_by_peer,
@@ -311,18 +330,20 @@ async def fuzz(swarm: LocalSwarm, proc, model_dir: Path, *, messages: int, batch
                     correct_after=passed,
                     rss_start_mib=round(rss[0], 1), rss_max_mib=round(max(rss), 1), rss_end_mib=round(rss[-1], 1),
                     tracebacks_in_log=log.count("Traceback (most recent call last)"),
-                    seconds=round(time.monotonic() - started, 1), peer_alive=proc.popen.poll() is None)
+                    seconds=round(time.monotonic() - started, 1), peer_alive=proc.popen.poll() is None, **partial)
     finally:
         await node.shutdown()
 
 
-def run(workdir: Path, *, messages: int = 10_000, batch: int = 1000, streams: int = 8, seed: int = 0) -> dict:
+def run(workdir: Path, *, messages: int = 10_000, batch: int = 1000, streams: int = 8, seed: int = 0,
+        partial_frames: int = 16) -> dict:
     """Start the swarm in ``workdir``, fuzz its peer, stop everything; the JSON summary."""
     model_dir = make_tiny_model(workdir / "llama-fuzz", seed=1, **MODEL)
     with LocalSwarm(workdir, update_period=5.0) as swarm:
         swarm.start_dht()
         proc = swarm.start_peer(model_dir, block_indices=f"{SPAN[0]}:{SPAN[1]}")
-        return asyncio.run(fuzz(swarm, proc, model_dir, messages=messages, batch=batch, streams=streams, seed=seed))
+        return asyncio.run(fuzz(swarm, proc, model_dir, messages=messages, batch=batch, streams=streams, seed=seed,
+                                partial_frames=partial_frames))
 
 
 def main() -> None:
@@ -331,11 +352,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1000, help="messages between two correctness checks")
     parser.add_argument("--streams", type=int, default=8, help="fuzzed streams at once")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--partial_frames", type=int, default=16,
+                        help="at the end, streams that each hold an unfinished 4 MiB frame (the peer's RSS is sampled)")
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="fusionswarm-fuzz-"))
-    print(json.dumps(run(workdir, messages=args.messages, batch=args.batch, streams=args.streams, seed=args.seed)))
+    print(json.dumps(run(workdir, messages=args.messages, batch=args.batch, streams=args.streams, seed=args.seed,
+                         partial_frames=args.partial_frames)))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 
 _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "fuzz_peer.py"
@@ -14,12 +15,25 @@ fuzz_peer = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fuzz_peer)
 
 
-def test_peer_survives_fuzzed_messages(tmp_path):
+@pytest.fixture(scope="module")
+def result(tmp_path_factory) -> dict:
     torch.manual_seed(0)
-    result = fuzz_peer.run(tmp_path, messages=300, batch=100, streams=8, seed=1)
+    return fuzz_peer.run(tmp_path_factory.mktemp("fuzz_peer"), messages=300, batch=100, streams=8, seed=1,
+                         partial_frames=4)
+
+
+def test_peer_survives_fuzzed_messages(result):
     assert result["messages_sent"] >= 300 and result["refused"] > 0.5 * result["replies"] > 0, result
     assert result["checks"] == result["correct_after"] >= 4, result  # forwards equal the local blocks' throughout
     assert result["peer_alive"] and result["tracebacks_in_log"] == 0 and result["internal_errors"] == 0, result
     assert result["stuck_streams"] == 0, result  # every stream we ended, the peer ended too
     assert result["oversized_frame_closed"] is True, result  # refused at its header, not buffered
     assert result["rss_max_mib"] - result["rss_start_mib"] < 64, result
+    assert result["rss_partial_frames_closed_mib"] - result["rss_start_mib"] < 64, result  # released on close
+
+
+@pytest.mark.skip(reason="open problem, for peers/framing.py: a frame's body has no deadline, so a stream that sends "
+                         "all but the last byte of a 4 MiB frame pins 4 MiB of the peer for as long as it stays open "
+                         "(~4 MiB of RSS per such stream, unbounded in their number); enable once bounded")
+def test_unfinished_frames_do_not_pin_memory(result):
+    assert result["rss_partial_frames_held_mib"] - result["rss_start_mib"] < 8, result
