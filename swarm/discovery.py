@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import tempfile
@@ -23,6 +24,8 @@ from swarm.startup_checks import IdentityClaim, StartupRefused, check_identity_o
 __all__ = ["StartupRefused", "SwarmNode", "announce", "fetch_records", "start_node", "visible_maddrs"]
 
 logger = logging.getLogger(__name__)
+
+SHUTDOWN_TIMEOUT = 3.0  # seconds the daemon gets to unregister our handlers when the node stops
 
 
 async def announce(node: DHTNode, record: PeerRecord, ttl: float) -> bool:
@@ -85,11 +88,28 @@ class SwarmNode(DHTNode):
     identity_claim: IdentityClaim | None = None
 
     async def shutdown(self) -> None:
+        """Stop the node and its daemon; a daemon that died first (Ctrl-C reaches it too) is not waited for."""
+        self.is_alive = False
         try:
-            await super().shutdown()
+            try:  # unregisters our handlers from the daemon, whose answer never comes if it is gone
+                await asyncio.wait_for(self.protocol.shutdown(), SHUTDOWN_TIMEOUT)
+            except Exception as e:
+                logger.debug("the p2p daemon did not unregister our handlers (%r); stopping it anyway", e)
+            if self._should_shutdown_p2p:
+                await self.p2p.shutdown()
+                _retrieve_control_errors(self.p2p)
         finally:
             if self.identity_claim is not None:
                 self.identity_claim.release()
+
+
+def _retrieve_control_errors(p2p) -> None:
+    """Read what the daemon connection's tasks died of when the daemon went first: hivemind never does, and
+    asyncio would log each as "Task exception was never retrieved"."""
+    control = getattr(getattr(p2p, "_client", None), "control", None)
+    for task in (getattr(control, "_read_task", None), getattr(control, "_write_task", None)):
+        if isinstance(task, asyncio.Future) and task.done() and not task.cancelled() and task.exception():
+            logger.debug("the p2p daemon's connection ended with %r (the daemon stopped first)", task.exception())
 
 
 async def start_node(

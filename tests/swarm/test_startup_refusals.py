@@ -130,3 +130,21 @@ def test_finding_14_peer_on_a_taken_port_refuses(tmp_path, llama_dir):
         assert outcome(peer, READY_PEER) not in (None, 0), peer.log()
         log = peer.log()
         assert f"--host_maddrs {taken}: TCP port" in log and "choose another port" in log, log
+
+
+def daemon_of(proc: SwarmProcess) -> int:
+    """The pid of the p2p daemon a ``swarm`` process started (its child)."""
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    daemons = [int(pid) for pid in children if b"p2pd" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(daemons) == 1, children
+    return daemons[0]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the daemon through /proc")
+def test_finding_10_dht_stops_when_ctrl_c_stopped_its_daemon_first(tmp_path, spawned):
+    """Ctrl-C in a terminal reaches the p2p daemon too; the node must still stop, not wait for it forever."""
+    dht = spawn(spawned, tmp_path, "dht", "dht")
+    assert outcome(dht, READY_DHT) is None, dht.log()
+    os.kill(daemon_of(dht), signal.SIGKILL)
+    log = stop_cleanly(dht)
+    assert UNRETRIEVED not in log, log
