@@ -16,6 +16,7 @@ from privacy.identity import Identity
 _ED25519 = b"\x08\x01"  # protobuf field 1 (key type) = 1 (Ed25519)
 _PUBLIC_PREFIX = b"\x00\x24" + _ED25519 + b"\x12\x20"  # identity multihash, 36 bytes: type, then 32-byte key
 _ALPHABET = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+_MAX_PEER_ID = 64  # an Ed25519 peer id has 52 characters; decoding base58 costs time quadratic in its length
 
 
 def libp2p_private_key(identity: Identity) -> bytes:
@@ -32,6 +33,8 @@ def peer_id_of(public: bytes) -> str:
 
 def public_key_of(peer_id: str) -> bytes:
     """The Ed25519 public key inside a libp2p peer id; ``PrivacyError`` if the id does not embed one."""
+    if len(peer_id) > _MAX_PEER_ID:  # e.g. a DHT subkey of 100k characters took 11 s to decode
+        raise PrivacyError(f"peer id {peer_id[:16]!r}... has {len(peer_id)} characters: it embeds no Ed25519 key")
     try:
         raw = _b58decode(peer_id)
     except ValueError as e:

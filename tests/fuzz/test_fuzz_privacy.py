@@ -8,6 +8,7 @@ Property: each returns a valid object (or ``False`` for a record validator) or r
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import msgpack
 from fuzz_strategies import DEEP, INTS, VALUES, mutated, pack, shaped_maps
@@ -19,10 +20,10 @@ from hypothesis import strategies as st
 from privacy.admission import MemberAdmission, caller_key, proof_context
 from privacy.certificates import Certificate, MemberCredentials, Revocation
 from privacy.channel import ClientHandshake, SecureChannel, accept_handshake
-from privacy.errors import ChannelError, MembershipError
+from privacy.errors import ChannelError, MembershipError, PrivacyError
 from privacy.identity import Identity
 from privacy.membership import MembershipVerifier, SwarmOwner, make_proof
-from privacy.peer_ids import peer_id_of
+from privacy.peer_ids import peer_id_of, public_key_of
 from privacy.records import PrivateRecordValidator, member_subkey
 
 OWNER = SwarmOwner.generate()
@@ -100,6 +101,31 @@ def test_membership_proof(data):
         ADMISSION.admit(proof, context, caller_key(remote))
     except MembershipError:
         pass
+
+
+BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+
+
+PEER_IDS = st.text(max_size=80) | st.text(BASE58, min_size=40, max_size=60) \
+    | mutated(peer_id_of(MEMBER.public_bytes).encode()).map(lambda b: b.decode("latin-1"))
+
+
+@given(PEER_IDS)
+def test_public_key_of(peer_id):
+    try:
+        key = public_key_of(peer_id)
+    except PrivacyError:
+        return
+    assert len(key) == 32 and public_key_of(peer_id_of(key)) == key
+
+
+def test_long_peer_ids_are_refused_before_decoding():
+    """A record's subkey is any string a peer sends: base58 decoding 100k characters took 11 s (quadratic)."""
+    subkey = MSGPackSerializer.dumps("z" * 100_000)
+    record = DHTRecord(b"\x01" * 20, subkey, b"", get_dht_time() + 60)
+    started = time.perf_counter()
+    assert not MEMBER_VALIDATOR.validate(record) and not RELAY.validate(record)
+    assert time.perf_counter() - started < 0.1
 
 
 MEMBER_VALIDATOR = PrivateRecordValidator(MembershipVerifier(OWNER.public_info()), CREDS, MEMBER)
