@@ -22,11 +22,14 @@ from typing import Generic, TypeVar
 from google.protobuf.message import DecodeError, Message
 from hivemind.proto.p2pd_pb2 import RPCError
 
+from peers.aio import deadline
+
 logger = logging.getLogger(__name__)
 
 MESSAGE, ERROR = b"\x00", b"\x01"
 HEADER_BYTES = 8
-MAX_FRAME_BYTES = 4 << 20  # our chunks are 1 MiB of tensor plus metadata; nothing legitimate comes near this
+MAX_FRAME_BYTES = (1 << 20) + (256 << 10)  # our chunks: 1 MiB of tensor plus at most 64 KiB of metadata
+BODY_GRACE, BODY_MIN_RATE = 10.0, 32 << 10  # a frame's body must arrive within 10 s + its size at 32 KiB/s
 
 P = TypeVar("P", bound=Message)
 
@@ -38,8 +41,9 @@ class FrameError(ValueError):
 async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES) -> tuple[bytes, bytes] | None:
     """The next ``(marker, payload)``, or None at a clean end of stream (EOF between frames).
 
-    Raises ``FrameError`` for an unknown marker or a declared length above ``max_bytes`` (before reading the
-    payload), and ``asyncio.IncompleteReadError`` if the stream ends inside a frame.
+    Raises ``FrameError`` for an unknown marker, a declared length above ``max_bytes`` (before reading the
+    payload) or a body slower than ``BODY_MIN_RATE`` after ``BODY_GRACE`` seconds (so that a sender cannot pin an
+    unfinished frame's memory for long), and ``asyncio.IncompleteReadError`` if the stream ends inside a frame.
     """
     marker = await reader.read(1)
     if not marker:
@@ -49,7 +53,12 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BY
     length = int.from_bytes(await reader.readexactly(HEADER_BYTES), "big")
     if length > max_bytes:
         raise FrameError(f"a frame of {length} bytes exceeds the limit of {max_bytes} bytes")
-    return marker, await reader.readexactly(length)
+    seconds = BODY_GRACE + length / BODY_MIN_RATE
+    try:
+        async with deadline(seconds):
+            return marker, await reader.readexactly(length)
+    except asyncio.TimeoutError:
+        raise FrameError(f"a frame of {length} bytes did not arrive within {seconds:.0f} s") from None
 
 
 def parse(cls: type[P], payload: bytes) -> P:

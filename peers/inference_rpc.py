@@ -56,6 +56,7 @@ from privacy.identity import Identity
 
 logger = logging.getLogger(__name__)
 
+MAX_STREAMS, MAX_STREAMS_PER_CALLER = 512, 16  # each may pin one unfinished frame (<= 1.25 MiB) for a while
 HEARTBEAT_FRAME = encode(runtime_pb2.ExpertResponse(metadata=HEARTBEAT_METADATA))
 
 
@@ -71,6 +72,7 @@ class InferenceRPC:
         self.identity, self.require_encryption = identity, require_encryption
         self.admission = admission or Admission()
         self.training = training
+        self.open_streams: dict[str, int] = {}  # caller -> its streams open now
 
     async def handle_stream(self, info: StreamInfo, reader: asyncio.StreamReader,
                             writer: asyncio.StreamWriter) -> None:
@@ -80,8 +82,15 @@ class InferenceRPC:
         sessions are freed by the registry's timeout), so a client never meets a stream that died in silence.
         """
         caller = str(info.peer_id)
+        out = FrameWriter(writer)
+        if refusal := self._too_many_streams(caller):
+            logger.info("Refused a stream from ...%s: %s", caller[-6:], refusal)
+            with contextlib.suppress(ConnectionError, OSError):
+                await out.send(encode(RPCError(message=refusal), ERROR))
+            return out.close()
+        self.open_streams[caller] = self.open_streams.get(caller, 0) + 1
         requests = IncomingFrames(reader, runtime_pb2.ExpertRequest, name=f"stream from ...{caller[-6:]}")
-        out, stream = FrameWriter(writer), _Stream(admitted=not self.admission.required)
+        stream = _Stream(admitted=not self.admission.required)
         heartbeat = asyncio.create_task(self._heartbeat(stream, requests, out))
         try:
             async for responses in self.serve(requests, caller, stream):
@@ -89,6 +98,8 @@ class InferenceRPC:
         except (ConnectionError, OSError):
             pass  # the client went away while we answered
         finally:
+            if (left := self.open_streams.pop(caller) - 1) > 0:
+                self.open_streams[caller] = left
             heartbeat.cancel()
             requests.close()
             end = requests.end.error if requests.end is not None else ""
@@ -97,6 +108,15 @@ class InferenceRPC:
                 with contextlib.suppress(ConnectionError, OSError):
                     await out.send(encode(RPCError(message=end), ERROR))
             out.close()
+
+    def _too_many_streams(self, caller: str) -> str:
+        """Streams are cheap to open and each may hold an unfinished frame (``peers.framing``): bound them."""
+        if self.open_streams.get(caller, 0) >= MAX_STREAMS_PER_CALLER:
+            return (f"too many streams: this peer keeps at most {MAX_STREAMS_PER_CALLER} open per caller (one "
+                    f"per client is enough: every session and call shares it)")
+        if sum(self.open_streams.values()) >= MAX_STREAMS:
+            return f"too many streams: this peer keeps at most {MAX_STREAMS} open; try another peer"
+        return ""
 
     async def _heartbeat(self, stream: _Stream, requests: IncomingFrames, out: FrameWriter) -> None:
         """While the stream has work in hand, tell a client that asked (its hello) that we are alive."""

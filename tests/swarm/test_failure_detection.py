@@ -164,3 +164,32 @@ def test_finding_04_killed_peer_fails_the_pending_request_at_once(doomed_peer, l
 
         with pytest.raises(ConnectionError, match="closed the stream|broke"):
             client.loop.run(go(), timeout=50)
+
+
+def test_finding_08_streams_per_caller_are_bounded(quick_peer, quick_client):
+    """Each stream may hold an unfinished frame, so one caller's streams are bounded; the others' are not hurt."""
+    from peers.inference_rpc import MAX_STREAMS_PER_CALLER
+
+    _, proc = quick_peer
+
+    async def go():
+        opened, refusal = [], None
+        try:
+            for _ in range(MAX_STREAMS_PER_CALLER + 1):
+                _, reader, writer = await quick_client.node.p2p.call_binary_stream_handler(
+                    PeerID.from_base58(proc.peer_id), INFERENCE_HANDLE)
+                opened.append(writer)
+                try:
+                    refusal = await asyncio.wait_for(read_frame(reader), 0.5)
+                    break
+                except asyncio.TimeoutError:
+                    continue
+        finally:
+            for writer in opened:
+                writer.close()
+        return len(opened), refusal
+
+    count, (marker, payload) = quick_client.loop.run(go())
+    assert marker == ERROR and b"too many streams" in payload and count <= MAX_STREAMS_PER_CALLER + 1
+    time.sleep(1.0)
+    assert quick_client.forward(torch.tensor([[1, 2, 3]])).shape[:2] == (1, 3)

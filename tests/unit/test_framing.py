@@ -98,3 +98,31 @@ def test_error_frame_and_broken_framing_end_the_stream_with_a_reason():
 
     said, broken, undecodable = asyncio.run(go())
     assert said == "peer is sad" and "exceeds the limit" in broken and "undecodable" in undecodable
+
+
+def test_finding_08_unfinished_body_is_dropped_after_its_deadline(monkeypatch):
+    """A sender that stalls inside a frame's body cannot pin its memory for long: the frame fails on a deadline."""
+    import peers.framing as framing
+
+    monkeypatch.setattr(framing, "BODY_GRACE", 0.2)
+    monkeypatch.setattr(framing, "BODY_MIN_RATE", 1 << 30)
+
+    async def go():
+        reader = _reader(MESSAGE + (1000).to_bytes(8, "big") + b"x" * 999, eof=False)  # one byte short, forever
+        with pytest.raises(FrameError, match="did not arrive within"):
+            await asyncio.wait_for(read_frame(reader), 5)
+
+    asyncio.run(go())
+
+
+def test_largest_legitimate_frame_fits_the_cap():
+    """A chunk of a big tensor with the largest metadata a message may have stays under the frame cap."""
+    import torch
+
+    from peers.framing import MAX_FRAME_BYTES
+    from peers.protocol import tensor_messages
+    from peers.wire_values import MAX_MESSAGE_BYTES
+
+    metadata = b"m" * MAX_MESSAGE_BYTES
+    frames = [encode(m) for m in tensor_messages(torch.randn(3, 1 << 19), metadata)]
+    assert len(frames) > 1 and max(map(len, frames)) <= MAX_FRAME_BYTES
