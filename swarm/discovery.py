@@ -11,6 +11,7 @@ from pathlib import Path
 
 from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import RecordValidatorBase
+from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from privacy._files import write_private
@@ -103,7 +104,7 @@ class SwarmNode(DHTNode):
                 self.identity_claim.release()
 
 
-def _retrieve_control_errors(p2p) -> None:
+def _retrieve_control_errors(p2p: P2P) -> None:
     """Read what the daemon connection's tasks died of when the daemon went first: hivemind never does, and
     asyncio would log each as "Task exception was never retrieved"."""
     control = getattr(getattr(p2p, "_client", None), "control", None)

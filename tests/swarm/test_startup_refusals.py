@@ -148,3 +148,15 @@ def test_finding_10_dht_stops_when_ctrl_c_stopped_its_daemon_first(tmp_path, spa
     os.kill(daemon_of(dht), signal.SIGKILL)
     log = stop_cleanly(dht)
     assert UNRETRIEVED not in log, log
+
+
+def test_finding_14_a_bootstrap_node_restarts_on_its_own_port(tmp_path, llama_dir):
+    """The check refuses a port in use, not one our last run left connections of (TIME_WAIT) on."""
+    maddr = f"/ip4/127.0.0.1/tcp/{free_port()}"
+    with LocalSwarm(tmp_path, update_period=1.0) as swarm:
+        first = swarm._spawn(["dht", "--host_maddrs", maddr], "dht1")
+        swarm.initial_peers = first.wait_for(READY_DHT, 120).group(1).split()
+        swarm.start_peer(llama_dir, block_indices="0:8")  # connected to the bootstrap node's port
+        stop_cleanly(first)
+        again = swarm._spawn(["dht", "--host_maddrs", maddr], "dht2")
+        assert outcome(again, READY_DHT) is None, again.log()
