@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from peers.client import SwarmClient
-from peers.launch import LocalSwarm
+from peers.cli.launch import LocalSwarm
+from peers.client.swarm_client import SwarmClient
 from peers.model import make_tiny_model
 
 

@@ -76,7 +76,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import Progress
 
-from peers.launch import READY_PEER, LocalSwarm, SwarmProcess
+from peers.cli.launch import READY_PEER, LocalSwarm, SwarmProcess
 
 
 @dataclass

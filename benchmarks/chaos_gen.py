@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from chaos import Chaos, LogTap, progress_bar, public_events, scan_peer_logs
 
-from peers.client import SwarmClient
-from peers.config import ClientConfig
-from peers.launch import LocalSwarm
+from peers.cli.launch import LocalSwarm
+from peers.client.inference_session import InferenceSession
+from peers.client.swarm_client import SwarmClient
+from peers.core.config import ClientConfig
 from peers.model import LocalModel, make_tiny_model
-from peers.session import InferenceSession
 
 MODEL = dict(family="llama", hidden_size=64, num_layers=8, num_heads=4, num_kv_heads=2, intermediate_size=128)
 PROMPT, NEW, POOL = 8, 32, 16

@@ -9,12 +9,12 @@ from pathlib import Path
 
 from chaos import Chaos, LogTap, progress_bar, public_events, scan_peer_logs
 
-from peers.client import SwarmClient
-from peers.config import ClientConfig
-from peers.launch import LocalSwarm
+from peers.cli.launch import LocalSwarm
+from peers.client.swarm_client import SwarmClient
+from peers.core.config import ClientConfig
 from peers.model import make_tiny_model
-from peers.train_loop import held_out_loss
-from peers.trainer import SwarmTrainer
+from peers.trainer.loop import held_out_loss
+from peers.trainer.swarm_trainer import SwarmTrainer
 from peers.training import LocalTrainer, OptimConfig, TokenBatches, encode_bytes, read_corpus
 from peers.training.state import read_state_info
 

@@ -28,12 +28,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from generate import MODEL, NEW, PROMPT, _intervals, swarm_token_times  # noqa: E402
 from train import Setup, client_config, optim_config, swarm_training, write_initial_state  # noqa: E402
 
-from peers.client import SwarmClient  # noqa: E402
-from peers.config import ClientConfig, SwarmConfig  # noqa: E402
-from peers.launch import LocalSwarm  # noqa: E402
+from peers.cli.launch import LocalSwarm  # noqa: E402
+from peers.client.swarm_client import SwarmClient  # noqa: E402
+from peers.core.config import ClientConfig, SwarmConfig  # noqa: E402
 from peers.model import LocalModel, make_tiny_model  # noqa: E402
-from peers.peer_stream import PeerStream  # noqa: E402
 from peers.training import encode_bytes, read_corpus  # noqa: E402
+from peers.wire.stream import PeerStream  # noqa: E402
 
 SPANS = [(0, 4), (4, 8)]
 TRAIN = Setup(seq_len=128, micro_batch=4, accumulation=4, steps=3, eval_windows=8)  # 2 timed steps per run

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from rich.progress import Progress
 
-from peers.client import SwarmClient
-from peers.launch import LocalSwarm
+from peers.cli.launch import LocalSwarm
+from peers.client.swarm_client import SwarmClient
 from peers.model import LocalModel, make_tiny_model
 
 MODEL = dict(family="llama", hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=688)

@@ -28,19 +28,13 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
-from peers.framing import ERROR, encode, end_of_stream, read_frame
-from peers.launch import LocalSwarm
+from peers.cli.launch import LocalSwarm
 from peers.model import load_blocks, make_tiny_model
-from peers.peer_stream import PeerStream
-from peers.protocol import (
-    INFERENCE_HANDLE,
-    INFERENCE_KINDS,
-    InferenceHello,
-    InferenceReply,
-    pack_inference,
-    serialize,
-    tensor_messages,
-)
+from peers.wire.framing import ERROR, encode, end_of_stream, read_frame
+from peers.wire.messages import INFERENCE_KINDS, InferenceHello, InferenceReply, pack_inference
+from peers.wire.service import INFERENCE_HANDLE
+from peers.wire.stream import PeerStream
+from peers.wire.tensors import serialize, tensor_messages
 from privacy.channel import ClientHandshake, new_session_id
 from privacy.peer_ids import public_key_of
 from swarm.discovery import fetch_records, start_node
@@ -49,7 +43,7 @@ MODEL = dict(family="llama", hidden_size=64, num_layers=8, num_heads=4, num_kv_h
 HIDDEN, SPAN = MODEL["hidden_size"], (0, 8)
 EDGE_INTS = [0, 1, -1, 7, (1 << 63) - 1, -(1 << 63), (1 << 64) - 1, 1 << 62]
 DEEP = [b"\x91" * 1000 + b"\xc0", b"\x81\xa1k" * 1000 + b"\xc0"]  # msgpack reads 1024 levels; repr recurses
-MAX_FRAME = 4 << 20  # the peer's frame cap (peers.framing.MAX_FRAME_BYTES)
+MAX_FRAME = 4 << 20  # the peer's frame cap (peers.wire.framing.MAX_FRAME_BYTES)
 
 
 class Fuzzer:

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 from rich.progress import Progress
 
-from peers.client import SwarmClient
-from peers.config import ClientConfig, SwarmConfig
-from peers.generation import generate_stream
-from peers.launch import LocalSwarm
+from peers.cli.launch import LocalSwarm
+from peers.client.generation import generate_stream
+from peers.client.swarm_client import SwarmClient
+from peers.core.config import ClientConfig, SwarmConfig
 from peers.model import LocalModel, make_tiny_model
 
 MODEL = dict(family="llama", hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=688)

@@ -33,15 +33,15 @@ from pathlib import Path
 import torch
 from rich.progress import Progress
 
-from peers.client import SwarmClient
-from peers.config import ClientConfig
-from peers.launch import LocalSwarm
+from peers.cli.launch import LocalSwarm
+from peers.client.swarm_client import SwarmClient
+from peers.core.config import ClientConfig
 from peers.model import make_tiny_model
 from peers.model.checkpoint import load_blocks
-from peers.protocol import RequestError
-from peers.trainer import StepResult, SwarmTrainer
+from peers.trainer.swarm_trainer import StepResult, SwarmTrainer
 from peers.training import LocalTrainer, OptimConfig, PartOptimizer, TokenBatches, encode_bytes, read_corpus
 from peers.training.state import save_stage_state
+from peers.wire.errors import RequestError
 
 MODEL = dict(family="llama", hidden_size=256, num_layers=6, num_heads=8, num_kv_heads=4, intermediate_size=688)
 QUICK_MODEL = dict(family="llama", hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=128)

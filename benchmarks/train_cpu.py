@@ -34,10 +34,10 @@ from train import (
     write_initial_state,
 )
 
-from peers.client import SwarmClient
-from peers.launch import LocalSwarm
+from peers.cli.launch import LocalSwarm
+from peers.client.swarm_client import SwarmClient
 from peers.model import make_tiny_model
-from peers.trainer import SwarmTrainer
+from peers.trainer.swarm_trainer import SwarmTrainer
 from peers.training import TokenBatches, encode_bytes, read_corpus
 
 TICK = os.sysconf("SC_CLK_TCK")

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from peers.client import SwarmClient
-from peers.config import ClientConfig, SwarmConfig
-from peers.launch import READY_DHT, LocalSwarm, SwarmProcess
+from peers.cli.launch import READY_DHT, LocalSwarm, SwarmProcess
+from peers.client.swarm_client import SwarmClient
+from peers.core.config import ClientConfig, SwarmConfig
 from peers.model import LocalModel, make_tiny_model
 from privacy.identity import Identity
 from privacy.membership import SwarmOwner

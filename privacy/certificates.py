@@ -15,8 +15,8 @@ from typing import Any
 
 import msgpack
 
-from privacy._files import read_private, write_private
 from privacy.errors import MembershipError
+from privacy.files import read_private, write_private
 from privacy.identity import PUBLIC_KEY_SIZE, SIGNATURE_SIZE, fingerprint
 
 logger = logging.getLogger(__name__)

@@ -10,8 +10,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from privacy._files import read_private, write_private
 from privacy.errors import PrivacyError
+from privacy.files import read_private, write_private
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from pathlib import Path
 
-from privacy._files import read_private, write_private
 from privacy.certificates import (
     SECRET_SIZE,
     WIRE_VERSION,
@@ -31,6 +30,7 @@ from privacy.certificates import (
     unpack_map,
 )
 from privacy.errors import MembershipError
+from privacy.files import read_private, write_private
 from privacy.identity import PUBLIC_KEY_SIZE, SIGNATURE_SIZE, Identity, fingerprint, verify_signature
 
 __all__ = ["Certificate", "MemberCredentials", "MembershipVerifier", "Revocation", "SwarmInfo", "SwarmOwner",

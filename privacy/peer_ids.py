@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from privacy._files import read_private, write_private
 from privacy.errors import PrivacyError
+from privacy.files import read_private, write_private
 from privacy.identity import Identity
 
 _ED25519 = b"\x08\x01"  # protobuf field 1 (key type) = 1 (Ed25519)
@@ -75,3 +75,8 @@ def libp2p_key_file(identity_path: str | Path) -> Path:
     if not key_path.exists() or read_private(key_path, what="libp2p key") != key:
         write_private(key_path, key, what="libp2p key", overwrite=True)
     return key_path
+
+
+def short_id(peer_id: object) -> str:
+    """A peer id as logs and messages show it: ``...`` and its last 6 characters (enough to tell peers apart)."""
+    return f"...{str(peer_id)[-6:]}"

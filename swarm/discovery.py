@@ -14,7 +14,7 @@ from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
-from privacy._files import write_private
+from privacy.files import write_private
 from privacy.identity import Identity
 from privacy.peer_ids import libp2p_private_key, peer_id_of
 from swarm import safe_msgpack

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from privacy.peer_ids import short_id
 from swarm.records import PeerRecord, PeerState
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class PeersUnavailableError(NoRouteError):
 def describe(peers: Iterable[Unavailable]) -> str:
     """``...abc123 banned until 12:00:03 (last error: ...); ...`` for error messages."""
     now = datetime.now()
-    return "; ".join(f"...{p.peer_id[-6:]} {p.state} until {(now + timedelta(seconds=p.seconds_left)):%H:%M:%S} "
+    return "; ".join(f"{short_id(p.peer_id)} {p.state} until {(now + timedelta(seconds=p.seconds_left)):%H:%M:%S} "
                      f"(last error: {_short(p.error)})" for p in peers)
 
 
@@ -220,11 +221,11 @@ class Router:
         now = time.monotonic()
         last = self._bans.get(peer_id)
         if last is not None and (last.until > now or (started is not None and started <= last.since)):
-            logger.debug("Peer ...%s already banned for this failure event: %s", peer_id[-6:], error)
+            logger.debug("Peer %s already banned for this failure event: %s", short_id(peer_id), error)
             return
         duration = min(self.max_ban_time, last.duration * 2 if last else self.ban_time)
         self._bans[peer_id] = Ban(now + duration, duration, now, _describe(error))
-        logger.info("Banned peer ...%s for %.1f s after: %s", peer_id[-6:], duration, error)
+        logger.info("Banned peer %s for %.1f s after: %s", short_id(peer_id), duration, error)
         logger.debug("Failure of peer %s", peer_id, exc_info=error)
 
     def on_busy(self, peer_id: str, error: BaseException | None = None, duration: float | None = None) -> None:
@@ -234,7 +235,7 @@ class Router:
         """
         duration = self.busy_time if duration is None else duration
         self._busy[peer_id] = (time.monotonic() + duration, _describe(error))
-        logger.info("Peer ...%s is busy; routing around it for %.1f s: %s", peer_id[-6:], duration, error)
+        logger.info("Peer %s is busy; routing around it for %.1f s: %s", short_id(peer_id), duration, error)
 
     def on_success(self, peer_id: str, rtt: float | None = None) -> None:
         """Lift any ban and fold a measured round trip into the peer's RTT estimate (EMA)."""

@@ -10,16 +10,15 @@ from typing import Any
 
 import torch
 
+from peers.core.ids import DTYPES
+
 logger = logging.getLogger(__name__)
 
 FAMILIES: dict[str, str] = {"llama": "llama", "qwen2": "llama", "mistral": "llama", "gpt2": "gpt2"}
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-}
+_DTYPES = {**DTYPES, "fp32": torch.float32, "float": torch.float32, "fp16": torch.float16, "half": torch.float16,
+           "bf16": torch.bfloat16}  # config.json spellings
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:

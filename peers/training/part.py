@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from peers.finite import all_finite
+from peers.core.finite import all_finite
 
 from .config import OptimConfig
 from .schedule import lr_at, make_optimizer, set_lr

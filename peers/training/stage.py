@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from peers.finite import all_finite
+from peers.core.finite import all_finite
 from peers.model.blocks import StageBlocks
 
 from .config import OptimConfig

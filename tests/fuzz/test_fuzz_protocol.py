@@ -21,28 +21,30 @@ from hivemind.proto import runtime_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peers.protocol import (
-    CHUNK_BYTES,
+from peers.training import OptimConfig
+from peers.wire.errors import RequestError
+from peers.wire.messages import (
     INFERENCE_KINDS,
-    MAX_DIMS,
-    WIRE_DTYPES,
     InferenceReply,
     InferenceStep,
     InfoRequest,
     Message,
-    RequestError,
     StageInfo,
     TrainOpen,
-    decode_tensor,
     pack_inference,
+    unpack_inference,
+)
+from peers.wire.tensors import (
+    CHUNK_BYTES,
+    MAX_DIMS,
+    WIRE_DTYPES,
+    decode_tensor,
     read_tensor_messages,
     sealer,
     tensor_messages,
-    unpack_inference,
     unsealer,
 )
-from peers.training import OptimConfig
-from peers.wire_values import conform
+from peers.wire.values import conform
 from privacy.channel import ClientHandshake, accept_handshake
 from privacy.errors import ChannelError
 from privacy.identity import Identity

@@ -1,0 +1,276 @@
+"""The ``swarm`` command. Maps flags onto the config dataclasses and calls the runtime, nothing more."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from peers.cli.membership import add_membership_commands
+from peers.cli.new_model import add_model_command
+from peers.cli.options import block_indices, swarm_config, swarm_flags
+from peers.cli.train import add_train_command
+from peers.core.config import DEFAULT_CACHE_DIR, StageServerConfig
+from peers.core.trainers import FLAG_HELP, parse_trainers
+
+logger = logging.getLogger("peers.cli")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return args.func(args) or 0
+    except (ValueError, RuntimeError) as e:
+        logger.error("%s", e)
+        logger.debug("Details:", exc_info=True)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", help="debug logs")
+    parser = argparse.ArgumentParser(prog="swarm", description="Serve and run LLMs on a peer-to-peer swarm.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add = sub.add_parser
+
+    def sub_add_parser(name: str, **kwargs) -> argparse.ArgumentParser:
+        return add(name, parents=[common], **kwargs)
+
+    sub.add_parser = sub_add_parser  # every subcommand takes -v
+
+    dht = sub.add_parser("dht", help="run a bootstrap peer and print the --initial_peers line to share")
+    swarm_flags(dht, joining=False)
+    dht.set_defaults(func=_cmd_dht)
+
+    peer = sub.add_parser("peer", help="host some blocks of a model and serve them to the swarm")
+    peer.add_argument("model_dir", type=Path, help="Hugging Face model folder (config.json, *.safetensors)")
+    swarm_flags(peer, joining=True)
+    blocks = peer.add_mutually_exclusive_group(required=True)
+    blocks.add_argument("--block_indices", type=block_indices, help="serve blocks START:END, e.g. 0:4")
+    blocks.add_argument("--num_blocks", type=int, help="serve N blocks, where the swarm is weakest")
+    peer.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    peer.add_argument("--num_threads", type=int, default=None,
+                      help="CPU threads for torch (default: torch's); use 1 when several peers share a CPU")
+    peer.add_argument("--torch_dtype", default="float32", choices=["float32", "float16", "bfloat16", "auto"])
+    peer.add_argument("--public_name", default="", help="a name shown in `swarm status`")
+    peer.add_argument("--model_name", default=None, help="name of the model in the DHT (default: folder name)")
+    peer.add_argument("--max_batch_size", type=int, default=8, help="rows per request (default 8)")
+    peer.add_argument("--max_batch_tokens", type=int, default=2048,
+                      help="tokens per batched forward: requests that arrive together are combined up to this")
+    peer.add_argument("--max_request_bytes", type=int, default=64 << 20, help="larger requests are refused")
+    peer.add_argument("--request_timeout", type=float, default=60.0, help="deadline of one RPC, seconds")
+    peer.add_argument("--update_period", type=float, default=15.0, help="seconds between announcements")
+    peer.add_argument("--throughput", type=float, default=None, help="tokens/s per block; default: measure")
+    peer.add_argument("--cache_dir", type=Path, default=DEFAULT_CACHE_DIR, help="throughput cache folder")
+    peer.add_argument("--cache_tokens", type=int, default=16384,
+                      help="inference KV cache budget in tokens (batch rows x max_length, all sessions)")
+    peer.add_argument("--session_timeout", type=float, default=60.0,
+                      help="seconds an idle or disconnected inference session keeps its cache")
+    peer.add_argument("--client_cache_share", type=float, default=0.5,
+                      help="fraction of --cache_tokens one client may always hold; beyond it, only while no "
+                           "other client waits for cache space (default 0.5)")
+    peer.add_argument("--cache_wait", type=float, default=2.0,
+                      help="seconds a session open that does not fit waits for space before it is refused")
+    peer.add_argument("--allow_plaintext", action="store_true",
+                      help="also serve inference streams that skip encryption (for benchmarks and debugging)")
+    peer.add_argument("--trainers", default=None, metavar="PEER_ID[,PEER_ID...]|members|anyone", help=FLAG_HELP)
+    peer.add_argument("--no_train", action="store_true",
+                      help="no-op, kept for old scripts: a peer trains only with --trainers")
+    peer.add_argument("--checkpoint_dir", type=Path, default=None,
+                      help="training: save our blocks' weights + AdamW state here, and resume from them")
+    peer.set_defaults(func=_cmd_peer)
+
+    status = sub.add_parser("status", help="who is online, which blocks they serve, what is missing")
+    status.add_argument("model", help="model folder or model name")
+    swarm_flags(status, joining=True, new_swarm=False)
+    status.set_defaults(func=_cmd_status)
+
+    gen = sub.add_parser("generate", help="generate text through the swarm (token ids never leave this machine)")
+    gen.add_argument("model_dir", type=Path, help="the model folder (config.json, embeddings, head, tokenizer.json)")
+    swarm_flags(gen, joining=True, new_swarm=False)
+    gen.add_argument("--prompt", required=True, help="text to continue")
+    gen.add_argument("--max_new_tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=None, help="sample with this temperature (default: greedy)")
+    gen.add_argument("--top_k", type=int, default=None, help="sample among the k most likely tokens")
+    gen.add_argument("--top_p", type=float, default=None, help="sample from the smallest set reaching this mass")
+    gen.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    gen.add_argument("--request_timeout", type=float, default=30.0, help="seconds per step before re-routing")
+    gen.add_argument("--local_blocks", type=int, default=0,
+                     help="also run the first N blocks here, so peers never see the earliest activations")
+    gen.set_defaults(func=_cmd_generate)
+
+    add_membership_commands(sub)
+    add_model_command(sub)
+    add_train_command(sub)
+
+    demo = sub.add_parser("demo", help="a whole swarm on this machine: bootstrap, 3 peers, a client")
+    demo.add_argument("--workdir", type=Path, default=DEFAULT_CACHE_DIR / "demo", help="models and logs")
+    demo.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def _cmd_dht(args: argparse.Namespace) -> int:
+    from peers.core.access import load_admission, load_identity
+    from swarm.discovery import start_node, visible_maddrs
+    from swarm.revocations import keep_revocations, serve_until
+
+    swarm = swarm_config(args)
+    identity = load_identity(swarm)
+    admission = load_admission(swarm, identity)
+
+    async def run(stop: asyncio.Event) -> None:
+        node = await start_node(
+            host_maddrs=swarm.host_maddrs, announce_maddrs=swarm.announce_maddrs, identity=identity,
+            identity_path=swarm.identity_path, record_validator=admission.record_validator(),
+        )
+        revocations = asyncio.ensure_future(keep_revocations(node, admission, period=15.0))
+        try:
+            maddrs = await visible_maddrs(node)
+            print(f"To connect other peers to this one, use --initial_peers {' '.join(maddrs)}", flush=True)
+            print(f"This is a {admission.describe()}", flush=True)
+            await serve_until(stop, revocations)  # or raise: our own certificate was revoked or expired
+        finally:
+            revocations.cancel()
+            await asyncio.wait([revocations])
+            await node.shutdown()
+
+    _run_until_signal(run)
+    return 0
+
+
+def _cmd_peer(args: argparse.Namespace) -> int:
+    from peers.server.stage_server import StageServer
+
+    if args.no_train and args.trainers:
+        raise ValueError("--no_train and --trainers contradict each other: drop --no_train (training is off "
+                         "unless --trainers is given)")
+    config = StageServerConfig(
+        model_dir=args.model_dir, swarm=swarm_config(args), model_name=args.model_name,
+        block_indices=args.block_indices, num_blocks=args.num_blocks, device=args.device,
+        torch_dtype=args.torch_dtype, public_name=args.public_name, max_batch_size=args.max_batch_size,
+        max_batch_tokens=args.max_batch_tokens, max_request_bytes=args.max_request_bytes,
+        request_timeout=args.request_timeout, update_period=args.update_period, throughput=args.throughput,
+        cache_dir=args.cache_dir, cache_tokens=args.cache_tokens, session_timeout=args.session_timeout,
+        client_cache_share=args.client_cache_share, cache_wait=args.cache_wait,
+        require_encryption=not args.allow_plaintext, trainers=parse_trainers(args.trainers),
+        checkpoint_dir=args.checkpoint_dir,
+    )
+    if args.num_threads:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
+    server = StageServer(config)
+    _run_until_signal(server.run)
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from peers.cli.status import print_status
+    from swarm.discovery import fetch_records, start_node
+
+    swarm = swarm_config(args)
+    if not swarm.initial_peers:
+        raise ValueError("pass --initial_peers: the line `swarm dht` printed")
+    model_path = Path(args.model)
+    total = None
+    if (model_path / "config.json").is_file():
+        from peers.model import ModelConfig
+
+        config = ModelConfig.from_dir(model_path)
+        name, total = config.name, config.num_layers
+
+    else:
+        name = args.model
+
+    from peers.core.access import load_admission, load_identity
+
+    identity = load_identity(swarm)
+    admission = load_admission(swarm, identity)
+
+    async def snapshot():
+        node = await start_node(initial_peers=swarm.initial_peers, host_maddrs=swarm.host_maddrs, client_mode=True,
+                                identity=identity, record_validator=admission.record_validator())
+        try:
+            return await asyncio.wait_for(fetch_records(node, name), swarm.dht_timeout)
+        finally:
+            await node.shutdown()
+
+    records = asyncio.run(snapshot())
+    total = total or max((r.end for r in records), default=0)
+    print_status(name, records, total)
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from peers.client.generation import SamplingConfig
+    from peers.client.swarm_client import SwarmClient
+    from peers.client.textgen import stream_text
+    from peers.core.config import ClientConfig
+
+    swarm = swarm_config(args)
+    if not swarm.initial_peers:
+        raise ValueError("pass --initial_peers: the line `swarm dht` printed")
+    sample = any(x is not None for x in (args.temperature, args.top_k, args.top_p))
+    sampling = SamplingConfig(do_sample=sample, temperature=args.temperature or 1.0, top_k=args.top_k,
+                              top_p=args.top_p, seed=args.seed)
+    config = ClientConfig(swarm=swarm, request_timeout=args.request_timeout, local_blocks=args.local_blocks)
+    with SwarmClient(args.model_dir, config=config) as client:
+        try:
+            for piece in stream_text(client, args.prompt, args.max_new_tokens, sampling=sampling):
+                print(piece, end="", flush=True)
+        finally:
+            print(flush=True)  # end the text's line, also before an error's message
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from peers.cli.demo import run_demo
+
+    return run_demo(args.workdir)
+
+
+def _run_until_signal(run) -> None:
+    """Run ``run(stop_event)`` on an event loop (uvloop if present) until SIGINT or SIGTERM."""
+
+    async def wrapper() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await run(stop)
+
+    try:
+        import uvloop
+
+        uvloop.run(wrapper())
+    except ImportError:
+        asyncio.run(wrapper())
+
+
+def _setup_logging(verbose: bool) -> None:
+    level = logging.DEBUG if verbose else logging.INFO
+    if sys.stderr.isatty():
+        from rich.logging import RichHandler
+
+        handler: logging.Handler = RichHandler(show_path=False, log_time_format="%H:%M:%S")
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    else:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    for name in ("peers", "swarm", "privacy"):
+        lg = logging.getLogger(name)
+        lg.handlers[:] = [handler]
+        lg.setLevel(level)
+        lg.propagate = False
+    logging.getLogger("hivemind").setLevel(logging.WARNING)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

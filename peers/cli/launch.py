@@ -1,0 +1,207 @@
+"""Start and stop real ``swarm`` processes on this machine: used by the demo, the tests and the benchmarks.
+
+Each process runs in its own session (process group), so that stopping it also stops the p2p daemon it
+spawned; every process is tracked by PID and stopped by ``LocalSwarm.close()``, also after a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from peers.core.config import SwarmConfig
+from privacy.identity import Identity
+from privacy.membership import SwarmOwner
+from privacy.peer_ids import peer_id_of
+
+READY_PEER = re.compile(r"Serving blocks (\d+):(\d+) of \S+ as peer (\w+)")
+READY_DHT = re.compile(r"--initial_peers (.+)$", re.MULTILINE)
+
+
+class SwarmProcess:
+    """One ``swarm ...`` subprocess whose output goes to a log file."""
+
+    def __init__(self, args: Sequence[str], log_path: Path, name: str) -> None:
+        self.name, self.log_path = name, Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "peers.cli", *args],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        self.pid = self.popen.pid
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def wait_for(self, pattern: re.Pattern, timeout: float) -> re.Match:
+        """Wait until the log matches ``pattern``; raise with the log's tail if the process dies or stalls."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = pattern.search(self.log())
+            if match:
+                return match
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with code {self.popen.returncode}:\n{self._tail()}")
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name} was not ready after {timeout:.0f} s:\n{self._tail()}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the whole process group (the peer and its p2p daemon)."""
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (a clean leave), then SIGKILL for whatever is left of the group."""
+        if self.popen.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGTERM)  # the peer only: it stops its own daemon after leaving
+            except ProcessLookupError:
+                pass
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill(signal.SIGKILL)
+        try:
+            self.popen.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def _tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
+
+
+class LocalSwarm:
+    """A bootstrap peer plus stage peers on 127.0.0.1; a context manager that stops all of them.
+
+    With ``train``, every peer allows the swarm's trainer (``--trainers``, the peer id of ``trainer_config()``'s
+    identity file) unless ``start_peer(trainers=...)`` says otherwise; without it, peers train for nobody.
+    """
+
+    def __init__(self, workdir: Path, *, update_period: float = 2.0, num_threads: int | None = 1,
+                 private: bool = False, train: bool = False) -> None:
+        self.workdir = Path(workdir)
+        self.update_period, self.num_threads, self.train = update_period, num_threads, train
+        self.processes: list[SwarmProcess] = []
+        self.initial_peers: list[str] = []
+        self.owner = SwarmOwner.generate() if private else None  # a private swarm: every process is invited
+
+    def member_flags(self, name: str, ttl: float = 86400.0) -> list[str]:
+        """``--identity_path`` and ``--private`` flags of a new member ``name`` (none in a public swarm)."""
+        if self.owner is None:
+            return []
+        identity_path, credentials_path = self.member_files(name, ttl)
+        return ["--identity_path", str(identity_path), "--private", str(credentials_path)]
+
+    def member_files(self, name: str, ttl: float = 86400.0) -> tuple[Path, Path]:
+        """Create member ``name``'s identity and have the owner invite it: (identity file, credentials file)."""
+        if self.owner is None:
+            raise RuntimeError("a public swarm has no members: make the LocalSwarm with private=True")
+        folder = self.workdir / "members"
+        identity = Identity.load_or_create(folder / f"{name}.id")
+        self.owner.invite(identity.public_bytes, name, ttl).save(folder / f"{name}.member", overwrite=True)
+        return folder / f"{name}.id", folder / f"{name}.member"
+
+    def swarm_config(self, name: str = "client", ttl: float = 86400.0) -> SwarmConfig:
+        """How an in-process client joins this swarm (as invited member ``name`` if the swarm is private)."""
+        if self.owner is None:
+            return SwarmConfig(initial_peers=tuple(self.initial_peers))
+        identity_path, credentials_path = self.member_files(name, ttl)
+        return SwarmConfig(initial_peers=tuple(self.initial_peers), identity_path=identity_path,
+                           credentials_path=credentials_path)
+
+    def trainer_identity(self, name: str = "trainer") -> Path:
+        """The identity file of trainer ``name`` (an invited member's in a private swarm), created if missing."""
+        if self.owner is not None:
+            return self.member_files(name)[0]
+        path = self.workdir / "trainers" / f"{name}.id"
+        Identity.load_or_create(path)
+        return path
+
+    def trainer_id(self, name: str = "trainer") -> str:
+        """Trainer ``name``'s peer id: what peers that let it train get in ``--trainers``."""
+        return peer_id_of(Identity.load_or_create(self.trainer_identity(name)).public_bytes)
+
+    def trainer_config(self, name: str = "trainer") -> SwarmConfig:
+        """How an in-process trainer joins as trainer ``name`` (its fixed identity, and invite if private)."""
+        if self.owner is not None:
+            return self.swarm_config(name)
+        return SwarmConfig(initial_peers=tuple(self.initial_peers), identity_path=self.trainer_identity(name))
+
+    def trainer_flags(self, name: str = "trainer") -> list[str]:
+        """``--identity_path`` (and ``--private``) of trainer ``name``, for a ``swarm train`` process."""
+        if self.owner is not None:
+            return self.member_flags(name)
+        return ["--identity_path", str(self.trainer_identity(name))]
+
+    def start_dht(self, timeout: float = 60.0) -> list[str]:
+        proc = self._spawn(["dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0", *self.member_flags("dht")], "dht")
+        line = proc.wait_for(READY_DHT, timeout).group(1)
+        self.initial_peers = [m for m in line.split() if m.startswith("/ip4/127.0.0.1/")] or line.split()
+        return self.initial_peers
+
+    def start_peer(
+        self,
+        model_dir: Path,
+        *,
+        block_indices: str | None = None,
+        num_blocks: int | None = None,
+        extra: Sequence[str] = (),
+        name: str | None = None,
+        wait: bool = True,
+        timeout: float = 120.0,
+        trainers: str | None = None,
+    ) -> SwarmProcess:
+        """A stage peer; ``trainers`` is its ``--trainers`` (None: the swarm's trainer with ``train``, else none;
+        "": none)."""
+        if not self.initial_peers:
+            raise RuntimeError("call start_dht() first")
+        blocks = ["--block_indices", block_indices] if block_indices else ["--num_blocks", str(num_blocks)]
+        if trainers is None:
+            trainers = self.trainer_id() if self.train else ""
+        args = [
+            "peer", str(model_dir), "--initial_peers", *self.initial_peers, *blocks,
+            "--update_period", str(self.update_period), "--cache_dir", str(self.workdir / "cache"),
+            *(["--num_threads", str(self.num_threads)] if self.num_threads else []),
+            *(["--trainers", trainers] if trainers else []), *extra,
+        ]
+        name = name or f"peer{len(self.processes)}"
+        proc = self._spawn([*args, *self.member_flags(name)], name)
+        if wait:
+            self.wait_ready(proc, timeout)
+        return proc
+
+    @staticmethod
+    def wait_ready(proc: SwarmProcess, timeout: float = 120.0) -> tuple[int, int, str]:
+        match = proc.wait_for(READY_PEER, timeout)
+        proc.blocks = (int(match.group(1)), int(match.group(2)))
+        proc.peer_id = match.group(3)
+        return int(match.group(1)), int(match.group(2)), match.group(3)
+
+    def close(self) -> None:
+        for proc in reversed(self.processes):
+            proc.stop()
+        self.processes.clear()
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _spawn(self, args: list[str], name: str) -> SwarmProcess:
+        proc = SwarmProcess(args, self.workdir / "logs" / f"{name}.log", name)
+        self.processes.append(proc)
+        return proc

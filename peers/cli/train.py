@@ -1,0 +1,216 @@
+"""``swarm train CONFIG.toml``: train a model on the swarm's stage peers; this process is the trainer.
+
+The trainer owns the embedding + head and their AdamW; each stage peer owns its blocks and theirs
+(``peers.trainer.swarm_trainer``). Token ids come from the model's ``tokenizer.json``; when that is the tiny models'
+byte-level tokenizer (ids = UTF-8 bytes), ``encode_bytes`` gives the same ids without the slow pass.
+
+Checkpoints: the trainer's part goes to ``checkpoint_dir/<run_id>/trainer`` every ``checkpoint_every``
+steps and at the end; rerunning with the same run_id (default: the config file's name) resumes there
+(weights, AdamW state, step, data position). Peers save and resume their own blocks (``--checkpoint_dir``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.markup import escape
+
+from peers.cli.options import swarm_config, swarm_flags
+from peers.core.ids import safe_name
+from peers.trainer.loop import StepFailed, stage_labels, train_loop
+from peers.trainer.state import (
+    has_trainer_state,
+    load_trainer_state,
+    save_trainer_state,
+    trainer_checkpoint_path,
+)
+from peers.trainer.swarm_trainer import StepResult, SwarmTrainer
+from peers.training import TokenBatches, TrainConfig, encode_bytes, encode_with_tokenizer, read_corpus
+from peers.training.state import read_state_info
+from privacy.peer_ids import short_id
+
+logger = logging.getLogger(__name__)
+
+GEOMETRY = ("seq_len", "micro_batch", "batch_size", "seed")  # must not change when a run resumes
+_PROBE = "Byte probe: é, ü, 1\n"
+
+
+def add_train_command(sub) -> None:
+
+    train = sub.add_parser("train", help="train a model on the swarm's stage peers (this process: embedding + head)")
+    train.add_argument("config", type=Path, help="training config (TOML), e.g. examples/train_tiny.toml")
+    swarm_flags(train, joining=True, new_swarm=False)
+    train.add_argument("--steps", type=int, default=None, help="train until this step (overrides the config)")
+    train.add_argument("--run_id", default=None,
+                       help="run name shared with the peers (default: the config file's name, so a rerun resumes)")
+    train.add_argument("--eval_every", type=int, default=10, help="held-out loss every N steps (0: start and end)")
+    train.add_argument("--eval_windows", type=int, default=16, help="held-out windows per evaluation")
+    train.add_argument("--wait_peers", type=float, default=60.0,
+                       help="seconds to wait for peers whose spans tile the model")
+    train.add_argument("--request_timeout", type=float, default=60.0, help="deadline of one RPC, seconds")
+    train.set_defaults(func=_cmd_train)
+
+
+def default_run_id(config_path: str | Path) -> str:
+    """The config file's name without suffix, reduced to ``[A-Za-z0-9._-]``."""
+    stem = Path(config_path).stem
+    return safe_name(stem)
+
+
+def token_ids(model_dir: str | Path, text: str) -> torch.Tensor:
+    """``text`` as the model's token ids (see the module docstring for the byte-level shortcut)."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"{model_dir} has no tokenizer.json: put the model's tokenizer.json (Hugging Face fast "
+                         "tokenizer) into the model folder")
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(path))
+    if tokenizer.get_vocab_size(with_added_tokens=False) == 256 and \
+            tokenizer.encode(_PROBE, add_special_tokens=False).ids == list(_PROBE.encode()):
+        return encode_bytes(text)
+    return encode_with_tokenizer(model_dir, text)
+
+
+def wait_for_pipeline(trainer: SwarmTrainer, timeout: float) -> None:
+    """Wait until the online peers' spans tile the model, then open the run on every stage."""
+    from swarm.stages import NoPipelineError
+
+    client, n = trainer.client, trainer.client.model_config.num_layers
+    try:
+        trainer.start(wait=timeout)
+    except NoPipelineError as e:
+        half = n // 2
+        private = "" if client.records() else (" No peer of this model is visible: check --initial_peers and, for "
+                                               "a private swarm, --private CREDENTIALS --identity_path ID.")
+        raise RuntimeError(
+            f"no training pipeline after {timeout:.0f} s: {e}.{private} Start peers of "
+            f"{client.model_name} whose --block_indices tile blocks 0:{n} (e.g. `swarm peer MODEL "
+            f"--block_indices 0:{half}` and `--block_indices {half}:{n}`), then rerun") from None
+    except Exception as e:
+        raise RuntimeError(f"opening run {trainer.run_id!r} on the stage peers failed ({type(e).__name__}: {e}); "
+                           "check --initial_peers; a peer that is busy, or does not allow this trainer (its "
+                           "--trainers), must be replaced by another peer of the same span") from e
+
+
+def _resume(trainer: SwarmTrainer, path: Path, config: TrainConfig, batches: TokenBatches,
+            console: Console) -> bool:
+    """Load the trainer's checkpoint at ``path`` if there is one; skip the data already trained on."""
+    if not has_trainer_state(path):
+        return False
+    info = read_state_info(path)
+    changed = ", ".join(f"{k}={info.get(k)!r} -> {getattr(config, k)!r}" for k in GEOMETRY
+                        if info.get(k) != getattr(config, k))
+    if changed:
+        raise ValueError(f"run {trainer.run_id!r} was checkpointed at {path} with other settings ({changed}): "
+                         "restore them in the config to resume, or pass --run_id NEW to start a new run")
+    load_trainer_state(trainer, path)
+    batches.skip(int(info.get("micro_batches_drawn", 0)))
+    console.print(f"Resumed run {escape(trainer.run_id)} at step {trainer.steps_done} from {escape(str(path))}")
+    return True
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from peers.client.swarm_client import SwarmClient
+    from peers.core.config import ClientConfig
+
+    config = TrainConfig.from_toml(args.config)
+    steps = config.steps if args.steps is None else args.steps
+    if steps < 1 or args.eval_every < 0 or args.eval_windows < 1:
+        raise ValueError("--steps and --eval_windows must be >= 1 and --eval_every >= 0")
+    swarm = swarm_config(args)
+    if not swarm.initial_peers:
+        raise ValueError("pass --initial_peers: the line `swarm dht` printed")
+    run_id = args.run_id or default_run_id(args.config)
+    console = Console()
+    batches = TokenBatches(token_ids(config.model_dir, read_corpus(config.data)), config.seq_len,
+                           config.micro_batch, config.seed)
+    held_out = batches.held_out_windows(args.eval_windows)
+    client_config = ClientConfig(swarm=swarm, model_name=config.model_name, request_timeout=args.request_timeout)
+    try:
+        client = SwarmClient(config.model_dir, config=client_config)
+    except (ValueError, RuntimeError):
+        raise
+    except Exception as e:
+        raise RuntimeError(f"cannot join the swarm ({type(e).__name__}: {e}): check --initial_peers and that "
+                           "`swarm dht` runs there; a private swarm also needs --private and --identity_path") from e
+    with client:
+        _print_trainer_id(client, swarm.identity_path, console)
+        trainer = SwarmTrainer(client, config.optim, config.accumulation, in_flight=config.in_flight, run_id=run_id,
+                               keep_activations=config.keep_activations, checkpoint_every=config.checkpoint_every,
+                               average_every=config.average_every, outer_lr=config.outer_lr,
+                               outer_momentum=config.outer_momentum, rechoose_every=config.rechoose_every)
+        path = trainer_checkpoint_path(config.checkpoint_dir, run_id) if config.checkpoint_dir else None
+        resumed = path is not None and _resume(trainer, path, config, batches, console)
+        extra = {**{k: getattr(config, k) for k in GEOMETRY}, "model": client.model_name,
+                 "tokens": len(batches.tokens) + len(batches.held_out)}
+        saved_at = [trainer.steps_done] if resumed else []
+        first = trainer.steps_done
+
+        def save() -> None:
+            save_trainer_state(trainer, path, {**extra, "micro_batches_drawn": batches.drawn})
+            saved_at.append(trainer.steps_done)
+
+        def after_step(result: StepResult) -> None:
+            if trainer.steps_done == first + 1:
+                _check_stage_steps(trainer, result, console)
+            if path is not None and config.checkpoint_every and trainer.steps_done % config.checkpoint_every == 0:
+                save()
+
+        wait_for_pipeline(trainer, args.wait_peers)
+        stages = " -> ".join(f"{s.start}:{s.end}@{short_id(s.peer_id)}" for s in trainer.stages)
+        console.print(f"Run {escape(run_id)}: {client.model_name} through stages {stages}; step {first} of {steps}")
+        if first >= steps:
+            console.print(f"The run is already at step {first}: nothing to train (pass --steps N to go further)")
+
+        def last_checkpoint() -> str:
+            return f"the last checkpoint is step {saved_at[-1]} in {path}" if saved_at else "no checkpoint was saved"
+
+        try:
+            summary = train_loop(trainer, batches, steps, console=console, held_out=held_out,
+                                 eval_every=args.eval_every, eval_rows=min(config.micro_batch, 8),
+                                 after_step=after_step)
+        except StepFailed as e:
+            raise RuntimeError(f"{e}. Check `swarm status`, restart missing peers (same --checkpoint_dir) and rerun "
+                               f"the same command to resume; {last_checkpoint()}") from e
+        except KeyboardInterrupt:
+            console.print(f"Interrupted at step {trainer.steps_done}; rerun the same command to resume "
+                          f"({escape(last_checkpoint())})")
+            raise
+        if path is not None and (not saved_at or saved_at[-1] != trainer.steps_done):
+            save()
+    summary.update(resumed=resumed, checkpoint=str(path) if path else None,
+                   falling=math.isfinite(summary["held_out_after"])
+                   and summary["held_out_after"] < summary["held_out_before"])
+    print("summary " + json.dumps(summary), flush=True)
+    return 0
+
+
+def _check_stage_steps(trainer: SwarmTrainer, result: StepResult, console: Console) -> None:
+    """Warn when a stage's step count differs from the trainer's (a peer kept state the trainer did not)."""
+    labels = stage_labels(trainer, len(result.stage_steps))
+    off = [f"{label} is at step {s}" for label, s in zip(labels, result.stage_steps, strict=True)
+           if s != trainer.part.step_count]
+    if off:
+        console.print(f"[yellow]warning:[/yellow] {escape(', '.join(off))} but the trainer is at step "
+                      f"{trainer.part.step_count}: the peers' blocks and this trainer's checkpoint are from "
+                      "different steps (a peer kept training after the trainer's last checkpoint, or restarted "
+                      "from an older one). Training continues; for an exact resume keep checkpoint_every equal "
+                      "on both sides and restart peers and trainer together.")
+
+
+def _print_trainer_id(client, identity_path: Path | None, console: Console) -> None:
+    """Peers train only for the trainers their operators allow (``swarm peer --trainers``): say who we are."""
+    from privacy.peer_ids import peer_id_of
+
+    peer_id = peer_id_of(client.identity.public_bytes)
+    console.print(f"Trainer peer id: {peer_id} (stage peers must allow it: swarm peer ... --trainers {peer_id})")
+    if identity_path is None:
+        console.print("[yellow]warning:[/yellow] no --identity_path: this peer id is new on every run; pass "
+                      "--identity_path FILE to keep it, so peers can keep allowing it")

@@ -1,0 +1,94 @@
+"""What every request handler of a peer's stream shares: the stream's state, the request being handled (``Call``),
+reading the tensor a request carries, and replies."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hivemind.proto import runtime_pb2
+
+from peers.core.aio import deadline
+from peers.server.kv_sessions import Session
+from peers.wire.errors import RequestError
+from peers.wire.framing import IncomingFrames
+from peers.wire.messages import InferenceReply, StageInfo
+from peers.wire.tensors import read_tensor_messages, sealer, tensor_messages, unsealer
+from privacy.certificates import Certificate
+from privacy.channel import SecureChannel
+
+Responses = list[runtime_pb2.ExpertResponse]
+
+
+@dataclass(eq=False)
+class StreamState:
+    """One stream: admitted or not, its encrypted channel once a hello set it up, and whether it is at work."""
+
+    admitted: bool
+    hello_seen: bool = False
+    member: Certificate | None = None  # what admission returned for the stream's hello
+    channel: SecureChannel | None = None
+    heartbeat: bool = False  # the client asked for heartbeats while we work on its requests
+    busy: bool = False  # a request is being handled
+    owned: dict[str, Session] = field(default_factory=dict)  # the inference sessions opened on this stream
+
+    @property
+    def seal(self) -> Callable[[bytes, bytes], bytes] | None:
+        return sealer(self.channel)
+
+    @property
+    def unseal(self) -> Callable[[bytes, bytes], bytes] | None:
+        return unsealer(self.channel)
+
+
+@dataclass(eq=False)
+class Call:
+    """The request being handled: its first message, the rest of the stream, the caller and the stream's state."""
+
+    message: runtime_pb2.ExpertRequest
+    requests: IncomingFrames
+    caller: str  # the caller's peer id
+    stream: StreamState
+
+
+Handler = Callable[[Any, Call], Awaitable[Responses]]  # takes the request kind it is registered for
+
+
+def reply(*, error: str = "", length: int = 0) -> runtime_pb2.ExpertResponse:
+    return runtime_pb2.ExpertResponse(metadata=InferenceReply(error=error, length=length).to_bytes())
+
+
+def tensor_reply(tensor: torch.Tensor, metadata: InferenceReply, stream: StreamState) -> Responses:
+    """A reply carrying ``tensor``, sealed on an encrypted stream, in chunk messages."""
+    return list(tensor_messages(tensor, metadata.to_bytes(), runtime_pb2.ExpertResponse, seal=stream.seal))
+
+
+class StreamCalls:
+    """Reading and skipping the tensors of requests, within the peer's limits."""
+
+    def __init__(self, info: StageInfo, *, request_timeout: float, require_encryption: bool) -> None:
+        self.info, self.request_timeout, self.require_encryption = info, request_timeout, require_encryption
+
+    async def read_tensor(self, call: Call) -> torch.Tensor:
+        """The tensor a request carries; refused (and skipped) on a plaintext stream when encryption is required."""
+        if call.stream.channel is None and self.require_encryption:
+            await self.skip_tensor(call)
+            raise RequestError("this peer only takes encrypted streams: send a hello (handshake) first")
+        if not call.message.tensors:
+            raise RequestError("this request must carry a tensor")
+        async with deadline(self.request_timeout):
+            _, tensor = await read_tensor_messages(call.requests, self.info.max_request_bytes, first=call.message,
+                                                   unseal=call.stream.unseal)
+        return tensor
+
+    async def skip_tensor(self, call: Call) -> None:
+        """Consume the rest of a refused message's tensor, so that the stream stays in step."""
+        if call.message.tensors:
+            try:
+                async with deadline(self.request_timeout):
+                    await read_tensor_messages(call.requests, self.info.max_request_bytes, first=call.message)
+            except (RequestError, ValueError, asyncio.TimeoutError):
+                pass

@@ -1,0 +1,230 @@
+"""The stream of a stage peer: one per client, carrying its forwards, any number of its sessions and its training.
+
+The first request is a hello: the client's handshake (every tensor after it is sealed) and its admission proof
+(``privacy.admission``; a private swarm refuses every other request of a stream whose hello it did not admit).
+Every later request goes to the handler of its kind (``StreamHandler.handlers``); replies come back in order (a
+close gets none). A stream that ends without closing its sessions detaches them: their caches wait
+``session_timeout`` for a resume, like idle ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from hivemind.p2p import PeerID
+from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
+from hivemind.proto import runtime_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
+
+from peers.core.aio import deadline
+from peers.server.backend import StageBackend
+from peers.server.calls import Call, Handler, Responses, StreamCalls, StreamState, reply, tensor_reply
+from peers.server.kv_sessions import SessionRegistry
+from peers.server.session_calls import SessionCalls
+from peers.server.training_calls import TRAINING_KINDS, TrainingCalls
+from peers.server.training_rpc import TrainingRPC, training_refusal
+from peers.wire.errors import RequestError
+from peers.wire.framing import ERROR, FrameWriter, IncomingFrames, encode
+from peers.wire.messages import (
+    ForwardRequest,
+    InferenceClose,
+    InferenceHello,
+    InferenceOpen,
+    InferenceReply,
+    InferenceStep,
+    ParamsFetch,
+    ParamsPush,
+    StageInfo,
+    TrainApply,
+    TrainBackward,
+    TrainForward,
+    TrainOpen,
+    unpack_inference,
+)
+from peers.wire.service import HEARTBEAT_METADATA, HEARTBEAT_PERIOD
+from privacy.admission import Admission, caller_key, proof_context
+from privacy.channel import accept_handshake
+from privacy.identity import Identity
+from privacy.peer_ids import short_id
+
+logger = logging.getLogger(__name__)
+
+MAX_STREAMS, MAX_STREAMS_PER_CALLER = 512, 16  # each may pin one unfinished frame (<= 1.25 MiB) for a while
+HEARTBEAT_FRAME = encode(runtime_pb2.ExpertResponse(metadata=HEARTBEAT_METADATA))
+
+
+class StreamHandler(StreamCalls):
+    """Serves the streams of one peer; ``check_hidden`` and ``check_blocks`` are the handler's validation."""
+
+    def __init__(self, backend: StageBackend, info: StageInfo, sessions: SessionRegistry, *,
+                 request_timeout: float, check_hidden: Callable[..., None], check_blocks: Callable[[int, int], None],
+                 identity: Identity, require_encryption: bool = True, admission: Admission | None = None,
+                 training: TrainingRPC | None = None) -> None:
+        super().__init__(info, request_timeout=request_timeout, require_encryption=require_encryption)
+        self.backend, self.sessions, self.training = backend, sessions, training
+        self.check_hidden, self.check_blocks = check_hidden, check_blocks
+        self.identity, self.admission = identity, admission or Admission()
+        self.open_streams: dict[str, int] = {}  # caller -> its streams open now
+        inference = SessionCalls(backend, sessions, info, check_hidden=check_hidden, request_timeout=request_timeout,
+                                 require_encryption=require_encryption)
+        self.handlers: dict[type, Handler] = {
+            ForwardRequest: self.forward, InferenceOpen: inference.open, InferenceStep: inference.steps,
+            InferenceClose: inference.close,
+        }
+        if training is not None:
+            calls = TrainingCalls(training, info, check_hidden=check_hidden, request_timeout=request_timeout,
+                                  require_encryption=require_encryption)
+            self.handlers.update({TrainOpen: calls.open, TrainApply: calls.apply, ParamsFetch: calls.fetch,
+                                  TrainForward: calls.tensor_call, TrainBackward: calls.tensor_call,
+                                  ParamsPush: calls.tensor_call})
+
+    async def handle_stream(self, info: StreamInfo, reader: asyncio.StreamReader,
+                            writer: asyncio.StreamWriter) -> None:
+        """One client's stream, framed by ``peers.wire.framing`` (hivemind's format, size-capped on arrival).
+
+        The stream lives until the client ends it or goes away: an idle stream is never closed on a timer (its
+        sessions are freed by the registry's timeout), so a client never meets a stream that died in silence.
+        """
+        caller = str(info.peer_id)
+        out = FrameWriter(writer)
+        if refusal := self._too_many_streams(caller):
+            logger.info("Refused a stream from %s: %s", short_id(caller), refusal)
+            with contextlib.suppress(ConnectionError, OSError):
+                await out.send(encode(RPCError(message=refusal), ERROR))
+            return out.close()
+        self.open_streams[caller] = self.open_streams.get(caller, 0) + 1
+        requests = IncomingFrames(reader, runtime_pb2.ExpertRequest, name=f"stream from {short_id(caller)}")
+        stream = StreamState(admitted=not self.admission.required)
+        heartbeat = asyncio.create_task(self._heartbeat(stream, requests, out))
+        try:
+            async for responses in self.serve(requests, caller, stream):
+                await out.send(*(encode(r) for r in responses))
+        except (ConnectionError, OSError):
+            pass  # the client went away while we answered
+        finally:
+            if (left := self.open_streams.pop(caller) - 1) > 0:
+                self.open_streams[caller] = left
+            heartbeat.cancel()
+            requests.close()
+            end = requests.end.error if requests.end is not None else ""
+            if end and "broke the framing" in end:
+                logger.warning("Closing %s", end)
+                with contextlib.suppress(ConnectionError, OSError):
+                    await out.send(encode(RPCError(message=end), ERROR))
+            out.close()
+
+    def _too_many_streams(self, caller: str) -> str:
+        """Streams are cheap to open and each may hold an unfinished frame (``peers.wire.framing``): bound them."""
+        if self.open_streams.get(caller, 0) >= MAX_STREAMS_PER_CALLER:
+            return (f"too many streams: this peer keeps at most {MAX_STREAMS_PER_CALLER} open per caller (one "
+                    f"per client is enough: every session and call shares it)")
+        if sum(self.open_streams.values()) >= MAX_STREAMS:
+            return f"too many streams: this peer keeps at most {MAX_STREAMS} open; try another peer"
+        return ""
+
+    async def _heartbeat(self, stream: StreamState, requests: IncomingFrames, out: FrameWriter) -> None:
+        """While the stream has work in hand, tell a client that asked (its hello) that we are alive."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(HEARTBEAT_PERIOD / 2)
+            if stream.heartbeat and (stream.busy or requests.queued) and \
+                    loop.time() - out.last_write >= HEARTBEAT_PERIOD:
+                try:
+                    await out.send(HEARTBEAT_FRAME)
+                except (ConnectionError, OSError):
+                    return
+
+    async def serve(self, requests: IncomingFrames, caller: str, stream: StreamState) -> AsyncIterator[Responses]:
+        """The replies to each request of one stream, in order (an empty list: no reply is due)."""
+        try:
+            while (message := await requests.get()) is not None:
+                stream.busy = True
+                call = Call(message, requests, caller, stream)
+                try:
+                    responses = await self._dispatch(call)
+                except (RequestError, ValueError, asyncio.TimeoutError) as e:
+                    responses = [reply(error=str(e) or "the request exceeded its deadline")]
+                except Exception as e:  # a bug must cost one request, not the stream and its sessions
+                    logger.warning("A request from %s failed: %r", short_id(caller), e)
+                    responses = [reply(error=f"internal error: {type(e).__name__}: {e}")]
+                finally:
+                    stream.busy = False
+                yield responses
+        finally:
+            for session_id in stream.owned:
+                self.sessions.detach(session_id)
+            if self.training is not None:
+                self.training.stream_closed(stream)
+
+    async def _dispatch(self, call: Call) -> Responses:
+        try:
+            request = unpack_inference(call.message.metadata)
+        except ValueError as e:
+            await self.skip_tensor(call)
+            logger.info("Refused a request from %s: %s", short_id(call.caller), e)
+            return [reply(error=str(e))]
+        if isinstance(request, InferenceHello):
+            return [self._hello(request, call.stream, call.caller)]
+        refusal = self._refusal(call.stream)
+        if not refusal and isinstance(request, TRAINING_KINDS):
+            refusal = training_refusal(self.training, request, call.caller)  # an operator-allowed trainer?
+        if refusal:
+            await self.skip_tensor(call)
+            return [] if isinstance(request, InferenceClose) else [reply(error=refusal)]
+        return await self.handlers[type(request)](request, call)
+
+    def _refusal(self, stream: StreamState) -> str:
+        """Why this stream may not make requests (never admitted, or its certificate expired or was revoked)."""
+        if not stream.admitted:
+            return ("not admitted: this peer serves only members of its private swarm; open the stream with a "
+                    "hello that carries a membership proof")
+        if stream.channel is None and self.require_encryption:
+            return "this peer only takes encrypted streams: send a hello (handshake) first"
+        try:
+            self.admission.recheck(stream.member)
+        except ValueError as e:
+            return f"not admitted any more: {e}"
+        return ""
+
+    def _hello(self, request: InferenceHello, stream: StreamState, caller: str) -> runtime_pb2.ExpertResponse:
+        """Admission, then key agreement: from now on every tensor on this stream is sealed (``privacy.channel``).
+
+        The proof is bound to this RPC, this peer and the client's hello (its fresh X25519 key), so it cannot be
+        replayed on another stream or to another peer.
+        """
+        if stream.hello_seen:
+            return reply(error="this stream already had its hello")
+        stream.hello_seen = True
+        try:
+            context_bytes = proof_context("rpc_inference", self.identity.public_bytes, request.hello)
+            stream.member = self.admission.admit(request.proof, context_bytes, caller_key(PeerID.from_base58(caller)))
+        except ValueError as e:
+            logger.info("rpc_inference(peer=%s) not admitted: %s", short_id(caller), e)
+            return reply(error=f"not admitted: {e}")
+        stream.admitted = True
+        stream.heartbeat = request.heartbeat
+        period = HEARTBEAT_PERIOD if request.heartbeat else 0.0
+        if not request.hello:
+            return runtime_pb2.ExpertResponse(metadata=InferenceReply(heartbeat=period).to_bytes())
+        try:
+            handshake, stream.channel = accept_handshake(request.hello, self.identity)
+        except ValueError as e:
+            return reply(error=f"handshake refused: {e}")
+        return runtime_pb2.ExpertResponse(metadata=InferenceReply(handshake=handshake, heartbeat=period).to_bytes())
+
+    async def forward(self, request: ForwardRequest, call: Call) -> Responses:
+        """A stateless forward through ``[start, end)``: one sealed tensor in, one out."""
+        try:
+            hidden = await self.read_tensor(call)
+            self.check_blocks(request.start, request.end)
+            self.check_hidden(hidden)
+            async with deadline(self.request_timeout):
+                output = await self.backend.forward(hidden, request.start, request.end, call.caller)
+        except (RequestError, ValueError, asyncio.TimeoutError) as e:
+            error = str(e) or f"forward exceeded the deadline of {self.request_timeout:.0f} s"
+            logger.info("forward(blocks=%s:%s) refused: %s", request.start, request.end, error)
+            return [reply(error=error)]
+        return tensor_reply(output, InferenceReply(), call.stream)

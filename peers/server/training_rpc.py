@@ -1,0 +1,374 @@
+"""The training side of a peer's stream: open a run, forward and backward micro-batches, step, checkpoint.
+
+A peer trains its whole block span for one run at a time; the stream that opened the run owns it. The
+peer owns its blocks' parameters and AdamW state (``peers.training.StageTrainer``) and steps when it has
+seen the run's ``accumulation`` backward passes. If the owning stream ends mid-step, the partial gradients
+are discarded: no half-applied update. The weights it trains are the ones it serves for inference, so only the
+trainers its operator allowed (``peers.core.trainers``, ``--trainers``) may open, run and commit steps.
+
+Replicas of a span never replace newer weights with older ones. A restarted peer keeps its own checkpoint and only
+reports a replica that serves another step (it cannot tell that replica's run); when a trainer opens the run, a
+replica behind the run's most advanced replica fetches that one's parameters (the trainer names the replicas, most
+advanced first, and the step to reach), and a checkpoint never overwrites a newer step of the same run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from peers.core.finite import all_finite
+from peers.core.ids import safe_name
+from peers.core.trainers import TrainerPolicy
+from peers.model.blocks import StageBlocks
+from peers.server.averaging import ReplicaAverager, StreamFor
+from peers.training import GradientError, OptimConfig, StageTrainer
+from peers.training.state import read_state_info
+from peers.wire.errors import RequestError
+from peers.wire.messages import ParamsFetch, ParamsPush, StageInfo, TrainApply, TrainBackward, TrainForward, TrainOpen
+from privacy.peer_ids import short_id
+
+logger = logging.getLogger(__name__)
+
+MAX_PENDING = 64  # micro-batches forwarded and not yet backwarded, per run
+TRAINER_KINDS = (TrainOpen, TrainForward, TrainBackward, TrainApply)  # what only an allowed trainer may send
+
+
+def training_refusal(training: TrainingRPC | None, request: object, caller: str) -> str:
+    """Why peer ``caller`` may not make this training request here ('' if it may). Replicas' pushes are checked
+    against the run's replicas on arrival; a fetch of the current parameters is open to anyone admitted."""
+    if training is None:
+        return TrainerPolicy().refusal(caller)
+    if isinstance(request, TRAINER_KINDS):
+        return training.trainers.refusal(caller)
+    return ""
+
+
+class TrainingRPC:
+    """Serves training requests for one peer's blocks (``blocks`` is the backend's ``StageBlocks``)."""
+
+    def __init__(self, blocks: StageBlocks, info: StageInfo, *, trainers: TrainerPolicy,
+                 checkpoint_dir: Path | None = None, stream_for: StreamFor | None = None,
+                 average_timeout: float = 30.0) -> None:
+        self.blocks, self.info, self.checkpoint_dir, self.trainers = blocks, info, checkpoint_dir, trainers
+        self.stream_for, self.average_timeout = stream_for, average_timeout  # streams to other peers (averaging)
+        self.averager: ReplicaAverager | None = None
+        self.average_every = 0
+        self.trainer: StageTrainer | None = None
+        self.run_id = ""
+        self.owner: object | None = None  # the stream that opened the run
+        self.checkpoint_every = 0
+        self.fetched_step = 0  # with no run open: the step of the replica whose parameters we loaded at start
+        self._opening = asyncio.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-train")
+
+    @property
+    def step(self) -> int:
+        """The step of the weights we serve: our run's, else that of the replica we started from."""
+        return self.fetched_step if self.trainer is None else self.trainer.step
+
+    async def open(self, request: TrainOpen, stream: object) -> int:
+        """Join ``request.run_id`` (resuming from this peer's checkpoint if it has one); returns the step.
+
+        A replica behind ``request.run_step`` catches up: it loads the parameters of the first replica listed that
+        is ahead of it (``_catch_up``) and counts from the run's step.
+        """
+        async with self._opening:  # a catch-up awaits the network: opens of other streams wait for this one
+            return await self._open(request, stream)
+
+    async def _open(self, request: TrainOpen, stream: object) -> int:
+        if (request.start, request.end) != (self.info.start, self.info.end):
+            raise RequestError(f"training uses a peer's whole span: this peer serves {self.info.start}:"
+                               f"{self.info.end}, not {request.start}:{request.end}")
+        if self.owner is not None and self.owner is not stream and self.run_id != request.run_id:
+            raise RequestError(f"this peer is training run {self.run_id!r} for another trainer; pick another peer")
+        if not 1 <= request.accumulation <= 1 << 16 or request.checkpoint_every < 0 or request.run_step < 0:
+            raise RequestError("accumulation must be in 1..65536, checkpoint_every and run_step >= 0")
+        if not all(isinstance(p, str) for p in request.replicas):
+            raise RequestError("replicas must be peer ids (strings)")
+        if request.average_every and request.replicas and self.stream_for is None:
+            raise RequestError("this peer cannot reach other peers to average with its replicas")
+        try:
+            optim = OptimConfig.from_dict(request.optim)
+        except (TypeError, ValueError) as e:
+            raise RequestError(f"bad optimizer config: {e}") from None
+        if self.trainer is None or self.run_id != request.run_id:
+            await self._compute(self._switch, request, optim)  # disk I/O off the event loop (heartbeats go on)
+        else:
+            self.trainer.reset_accumulation()  # a re-opened run starts its step afresh
+            self.trainer.accumulation, self.trainer.auto_step = request.accumulation, not request.explicit_apply
+            self.trainer.keep_activations = request.keep_activations
+        caught_up = False
+        others = [p for p in request.replicas if p != self.info.peer_id]
+        if request.run_step > self.trainer.step and others:
+            # a replica joining (or rejoining) a run under way takes the parameters of a replica ahead of it and
+            # counts from the run's step, so its lr schedule and averaging rounds match the others'. If none ahead
+            # answers, it keeps its own weights and the next averaging round brings them in line. A lone stage
+            # keeps its count: a trainer/stage mismatch shows.
+            caught_up = await self._catch_up(request, others)
+            logger.info("Run %r: joined at step %d (from %d) to match the other replicas; AdamW state kept as is",
+                        self.run_id, request.run_step, self.trainer.step)
+            self.trainer.part.step_count = request.run_step
+        self.owner, self.checkpoint_every = stream, request.checkpoint_every
+        self._set_replicas(request, fresh=caught_up)
+        logger.info("Run %r: training blocks %d:%d (accumulation %d, step %d)", self.run_id, self.info.start,
+                    self.info.end, request.accumulation, self.trainer.step)
+        return self.trainer.step
+
+    def _switch(self, request: TrainOpen, optim: OptimConfig) -> None:
+        """Save the run we leave, then start ``request.run_id`` from our checkpoint of it if we have one."""
+        self.save_unsaved(f"before switching to run {request.run_id!r}")
+        self.trainer = StageTrainer(self.blocks, optim, request.accumulation, keep_activations=request.keep_activations,
+                                    max_pending=MAX_PENDING, auto_step=not request.explicit_apply)
+        self.run_id = request.run_id
+        path = self._checkpoint_path()
+        if path is not None and (path / "state.json").is_file():
+            self.trainer.load(path)
+            logger.info("Run %r: resumed blocks %d:%d from %s at step %d", self.run_id, self.info.start,
+                        self.info.end, path, self.trainer.step)
+
+    def resume_latest(self) -> str | None:
+        """After a restart: load the newest checkpoint of our span (any run) so we serve trained weights at once;
+        a ``train_open`` of that run continues from it. Returns the run id, or None if there is none."""
+        if self.checkpoint_dir is None:
+            return None
+        span = f"blocks-{self.info.start}-{self.info.end}"
+        found = sorted(Path(self.checkpoint_dir).glob(f"*/{span}/state.json"), key=lambda p: p.stat().st_mtime)
+        for state_file in reversed(found):
+            try:
+                optim = OptimConfig.from_dict(read_state_info(state_file.parent)["optim"])
+                trainer = StageTrainer(self.blocks, optim, 1, max_pending=MAX_PENDING, auto_step=False)
+                trainer.load(state_file.parent)
+            except (OSError, KeyError, ValueError) as e:
+                logger.warning("Could not resume from %s: %s", state_file.parent, e)
+                continue
+            self.trainer, self.run_id = trainer, state_file.parent.parent.name
+            logger.info("Resumed blocks %d:%d of run %r from %s (step %d)", self.info.start, self.info.end,
+                        self.run_id, state_file.parent, trainer.step)
+            return self.run_id
+        return None
+
+    async def start_from_replicas(self, peer_ids: list[str], timeout: float) -> None:
+        """At start: a peer with no checkpoint of its span takes the parameters a replica serves now (it may have
+        trained). One that resumed its own checkpoint keeps it: a replica's run is unknown here, so it only says
+        when a replica serves another step (behind: never loaded; ahead: the trainer's next open catches us up)."""
+        for peer_id in peer_ids:
+            try:
+                step, flat = await self._fetch(peer_id, timeout)
+                if self.trainer is None:
+                    self.load_params(flat)
+            except Exception as e:
+                logger.warning("Could not fetch parameters from replica %s: %s", short_id(peer_id), e)
+                continue
+            span = f"{self.info.start}:{self.info.end}"
+            if self.trainer is None:
+                self.fetched_step = step
+                logger.info("Fetched the current parameters of blocks %s from replica %s (its step %d)", span,
+                            short_id(peer_id), step)
+            elif step < self.trainer.step:
+                logger.warning("Blocks %s: kept our checkpoint of run %r at step %d; replica %s serves step %d, "
+                               "older, so its parameters were not loaded", span, self.run_id, self.trainer.step,
+                               short_id(peer_id), step)
+            elif step > self.trainer.step:
+                logger.warning("Blocks %s: kept our checkpoint of run %r at step %d; replica %s serves step %d "
+                               "(ahead in this run, or another run): not loaded now; when a trainer opens the run, "
+                               "the replica behind catches up", span, self.run_id, self.trainer.step, short_id(peer_id),
+                               step)
+            return
+
+    async def forward(self, request: TrainForward, hidden: torch.Tensor, stream: object) -> torch.Tensor:
+        trainer = self._trainer(request.run_id, stream)
+        positions = _positions(hidden)
+        return await self._compute(trainer.forward, request.micro_id, hidden, positions)
+
+    async def backward(self, request: TrainBackward, tensor: torch.Tensor, stream: object) -> torch.Tensor:
+        """The grad of the micro-batch's input; a refused grad drops the micro-batch and applies nothing."""
+        trainer = self._trainer(request.run_id, stream)
+        if request.recompute:
+            if tensor.ndim != 4 or tensor.shape[0] != 2:
+                raise GradientError("a recompute backward carries [2, batch, seq, hidden]: the input, then the grad")
+            hidden, grad = tensor[0], tensor[1]
+            call = (trainer.backward, request.micro_id, grad)
+            kwargs = {"hidden": hidden, "position_ids": _positions(hidden)}
+        else:
+            call, kwargs = (trainer.backward, request.micro_id, tensor), {}
+        before = trainer.step
+        try:
+            grad_input = await self._compute(*call, **kwargs)
+        except GradientError as e:
+            logger.info("Run %r: dropped micro-batch %r: %s", self.run_id, request.micro_id, e)
+            raise
+        if trainer.step != before:
+            await self._after_step(trainer)
+        return grad_input
+
+    async def apply(self, request: TrainApply, stream: object) -> int:
+        """Two-phase commit of a step; returns the stage's step count after it."""
+        trainer = self._trainer(request.run_id, stream)
+        before = trainer.step
+        try:
+            await self._compute(trainer.apply, request.micro_batches)
+        except GradientError as e:
+            logger.warning("Run %r: step not applied: %s", self.run_id, e)
+            raise
+        if trainer.step != before:
+            await self._after_step(trainer)
+        return trainer.step
+
+    def receive_params(self, request: ParamsPush, flat: torch.Tensor, sender: str) -> None:
+        """A replica's parameters for an averaging round of our run."""
+        if self.averager is None or request.run_id != self.run_id:
+            raise RequestError(f"this peer averages no run {request.run_id!r} (it is in {self.run_id!r})")
+        self.averager.receive(sender, request.round, flat, self._numel())
+
+    def current_params(self, request: ParamsFetch) -> torch.Tensor:
+        """Our flat parameters, for a replica of our span that joins late."""
+        if (request.start, request.end) != (self.info.start, self.info.end):
+            raise RequestError(f"this peer serves {self.info.start}:{self.info.end}, not {request.start}:{request.end}")
+        return self.current_flat()
+
+    def current_flat(self) -> torch.Tensor:
+        with torch.no_grad():
+            return parameters_to_vector(list(self.blocks.parameters())).detach().clone()
+
+    def load_params(self, flat: torch.Tensor) -> None:
+        """Replace our parameters with a replica's (checked); stale graphs are recomputed."""
+        numel = self._numel()
+        if flat.ndim != 1 or flat.numel() != numel or not all_finite([flat]):
+            raise ValueError(f"a replica sent {list(flat.shape)} values; expected {numel} finite ones")
+        with torch.no_grad():
+            vector_to_parameters(flat.to(next(self.blocks.parameters()).dtype), list(self.blocks.parameters()))
+        if self.trainer is not None:
+            self.trainer.version += 1
+
+    def drop(self, request: TrainBackward, stream: object) -> None:
+        """Forget a micro-batch whose backward was refused (its gradients are never applied)."""
+        if self.trainer is not None and request.run_id == self.run_id and self.owner is stream:
+            self.trainer.drop(request.micro_id)
+
+    def stream_closed(self, stream: object) -> None:
+        """The owning trainer left: discard its partial step (applied steps and checkpoints stay)."""
+        if self.owner is stream and self.trainer is not None:
+            if self.trainer.micro_count or self.trainer.pending:
+                logger.info("Run %r: trainer left mid-step; discarding %d partial micro-batch(es)", self.run_id,
+                            self.trainer.micro_count)
+            self.trainer.reset_accumulation()
+            self.owner = None
+
+    def save_unsaved(self, why: str = "before leaving") -> Path | None:
+        """Checkpoint the run's last applied step unless it is saved already: before the peer leaves, or before it
+        switches to another run, so no step it trained is lost (a partial step's gradients are not kept)."""
+        if self.trainer is None or self.trainer.step == 0:
+            return None
+        path = self._checkpoint_path()
+        if path is None:
+            logger.warning("Run %r: %d trained step(s) of blocks %d:%d are not saved (no --checkpoint_dir); they "
+                           "live on only in replicas, if any", self.run_id, self.trainer.step, self.info.start,
+                           self.info.end)
+            return None
+        try:
+            if self._saved_step(path) == self.trainer.step or not self._save(self.trainer, path):
+                return None
+        except (OSError, ValueError) as e:
+            logger.error("Run %r: could not save step %d to %s: %s", self.run_id, self.trainer.step, path, e)
+            return None
+        logger.info("Run %r: step %d saved to %s %s", self.run_id, self.trainer.step, path, why)
+        return path
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    # ---- internals --------------------------------------------------------------------------------
+    def _trainer(self, run_id: str, stream: object) -> StageTrainer:
+        if self.trainer is None or run_id != self.run_id or self.owner is not stream:
+            raise RequestError(f"run {run_id!r} is not open on this stream: send train_open first")
+        return self.trainer
+
+    async def _compute(self, fn, *args, **kwargs) -> Any:
+        """``fn`` on the training thread: one computation (or checkpoint) at a time, off the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+
+    def _checkpoint_path(self) -> Path | None:
+        if self.checkpoint_dir is None:
+            return None
+        safe_run = safe_name(self.run_id)
+        return Path(self.checkpoint_dir) / safe_run / f"blocks-{self.info.start}-{self.info.end}"
+
+    async def _fetch(self, peer_id: str, timeout: float) -> tuple[int, torch.Tensor]:
+        """A replica's step and current flat parameters (``ParamsFetch``)."""
+        stream = await self.stream_for(peer_id)
+        reply, flat = await stream.call(ParamsFetch(start=self.info.start, end=self.info.end), None, timeout)
+        return reply.step, flat
+
+    async def _catch_up(self, request: TrainOpen, others: list[str]) -> bool:
+        """Load the parameters of the first replica listed (the trainer lists the most advanced first) that is
+        ahead of our step in this run; never older ones. True if we loaded some."""
+        own = self.trainer.step
+        for peer_id in others:
+            try:
+                step, flat = await self._fetch(peer_id, self.average_timeout)
+                if step > own:
+                    self.load_params(flat)
+            except Exception as e:
+                logger.warning("Run %r: could not fetch parameters from replica %s: %s", self.run_id, short_id(peer_id),
+                               e)
+                continue
+            if step > own:
+                logger.info("Run %r: caught up from replica %s: loaded its parameters of step %d (ours were at "
+                            "step %d)", self.run_id, short_id(peer_id), step, own)
+                return True
+        logger.warning("Run %r: no replica ahead of our step %d answered; keeping our weights and counting from "
+                       "the run's step %d (the next averaging round brings them in line)", self.run_id, own,
+                       request.run_step)
+        return False
+
+    def _saved_step(self, path: Path) -> int | None:
+        return read_state_info(path).get("step") if (path / "state.json").is_file() else None
+
+    def _save(self, trainer: StageTrainer, path: Path) -> bool:
+        """Checkpoint ``trainer`` to ``path`` unless that holds a newer step of this run (then warn, keep it)."""
+        saved = self._saved_step(path)
+        if saved is not None and saved > trainer.step:
+            logger.warning("Run %r: step %d of blocks %d:%d not saved: %s holds step %d of this run, newer, and is "
+                           "kept (these blocks are behind their own checkpoint)", self.run_id, trainer.step,
+                           self.info.start, self.info.end, path, saved)
+            return False
+        trainer.save(path)
+        return True
+
+    def _set_replicas(self, request: TrainOpen, fresh: bool = False) -> None:
+        """Average with the run's other replicas (a new averager when they change, or ``fresh`` weights came)."""
+        replicas = [p for p in request.replicas if p != self.info.peer_id]
+        self.average_every = request.average_every if replicas else 0
+        if not self.average_every:
+            self.averager = None
+            return
+        if fresh or self.averager is None or self.averager.replicas != sorted(replicas):
+            self.averager = ReplicaAverager(self.info.peer_id, self.run_id, replicas, self.stream_for,
+                                            outer_lr=request.outer_lr, outer_momentum=request.outer_momentum,
+                                            timeout=self.average_timeout, anchor=self.current_flat())
+        logger.info("Run %r: averaging with %d replica(s) every %d step(s)", self.run_id, len(replicas),
+                    self.average_every)
+
+    def _numel(self) -> int:
+        return sum(p.numel() for p in self.blocks.parameters())
+
+    async def _after_step(self, trainer: StageTrainer) -> None:
+        if self.averager is not None and trainer.step % self.average_every == 0:
+            flat = parameters_to_vector(list(self.blocks.parameters())).detach()
+            self.load_params(await self.averager.average(flat))
+        path = self._checkpoint_path()
+        if path is not None and self.checkpoint_every and trainer.step % self.checkpoint_every == 0 and \
+                await self._compute(self._save, trainer, path):
+            logger.info("Run %r: step %d checkpointed to %s", self.run_id, trainer.step, path)
+
+
+def _positions(hidden: torch.Tensor) -> torch.Tensor:
+    return torch.arange(hidden.shape[1], device=hidden.device).expand(hidden.shape[0], hidden.shape[1])

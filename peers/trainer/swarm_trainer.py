@@ -1,0 +1,354 @@
+"""``SwarmTrainer``: train a model whose blocks live on the swarm, by remote autodiff through its stages.
+
+The trainer owns the embedding and the head (and their AdamW); each stage peer owns its blocks and
+theirs (``peers.server.training_rpc``). A micro-batch goes: embedding here -> ``train_forward`` through each stage
+-> head and loss here -> ``train_backward`` through the stages in reverse -> embedding grads here. Every
+tensor travels on the client's encrypted stream to each peer. Up to ``in_flight`` micro-batches are under
+way at once, so the stages work concurrently (a stage runs its stream's requests in order).
+
+A step is two-phase: the micro-batches only accumulate gradients on the stages; once all of them are back,
+``train_apply`` tells every stage to apply its share, and a stage refuses if it holds fewer micro-batches
+than the trainer sent it. So a stage peer that dies mid-step costs a retry of that step on re-chosen stages
+(re-opening the run discards partial gradients everywhere), and a trainer that vanishes applies nothing.
+
+Stages with several replicas (peers serving the same span) split each step's micro-batches in proportion to
+their speed; each replica takes a full AdamW step on its share, and every ``average_every`` steps the
+replicas average their parameters (``peers.server.averaging``, DiLoCo-style). Opening a run takes two rounds: every
+replica reports its step in the run, then one behind its span's most advanced replica is re-opened with that
+step and catches up from it (weights and step count), so newer weights are never replaced by older ones.
+
+Weight staleness is zero: a step's micro-batches all see the same weights, because stages apply updates
+only on ``train_apply`` and the next step starts after it. The price is a pipeline fill and drain per step
+(with S stages and M micro-batches the bubble is about (S-1)/(M+S-1)); more micro-batches per step shrink it.
+Between averaging rounds, replicas of a stage drift apart (by design, as in DiLoCo); that is not staleness.
+
+Peers join and leave mid-run: one that dies costs a retry of the step (above); one that starts serving a span
+of the pipeline is found within ``rechoose_every`` seconds and joins as another replica of that span at the
+next step (the pipeline's tiling itself changes only after a failure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from hivemind.p2p import P2PDaemonError, P2PHandlerError
+
+from peers.client.retry import backoff, classify
+from peers.client.swarm_client import SwarmClient
+from peers.model.local import default_position_ids
+from peers.training import OptimConfig, PartOptimizer, loss_of, unique_parameters
+from peers.wire.errors import RequestError
+from peers.wire.messages import TrainApply, TrainBackward, TrainForward, TrainOpen
+from privacy.errors import MembershipError
+from privacy.peer_ids import short_id
+from swarm.records import PeerRecord
+from swarm.routing import PrivateSwarmError, describe
+from swarm.stages import NoPipelineError, choose_stage_groups, spread
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean loss over the step's micro-batches
+    tokens: int  # tokens the step trained on
+    stage_steps: list[int]  # each stage's optimizer steps after it
+    seconds: float  # wall time of the step
+    stage_busy: list[float]  # seconds each stage spent computing for this step
+    stage_peers: list[str]  # peer id of each stage
+
+    @property
+    def utilisation(self) -> list[float]:
+        """Fraction of the step's wall time each stage spent computing."""
+        return [busy / self.seconds if self.seconds > 0 else 0.0 for busy in self.stage_busy]
+
+
+class StageFailure(ConnectionError):
+    """A stage peer broke its stream or timed out; the step is retried on re-chosen stages."""
+
+    def __init__(self, peer_id: str, error: BaseException, started: float | None = None) -> None:
+        super().__init__(f"stage peer {short_id(peer_id)} failed: {error!r}")
+        self.peer_id, self.error = peer_id, error
+        self.started = started  # time.monotonic() when the failed request was sent
+
+
+class SwarmTrainer:
+    """One training run over the swarm that ``client`` is connected to."""
+
+    def __init__(self, client: SwarmClient, optim: OptimConfig, accumulation: int, *, in_flight: int = 4,
+                 run_id: str | None = None, keep_activations: bool = True, recompute: bool = False,
+                 checkpoint_every: int = 0, average_every: int = 0, outer_lr: float = 1.0,
+                 outer_momentum: float = 0.0, rechoose_every: float = 30.0) -> None:
+        if accumulation < 1 or in_flight < 1:
+            raise ValueError("accumulation and in_flight must be >= 1")
+        if client.local_blocks is not None:
+            raise ValueError("training with local_blocks is not supported yet; use local_blocks=0")
+        self.client, self.optim, self.accumulation, self.in_flight = client, optim, accumulation, in_flight
+        self.run_id = run_id or secrets.token_hex(8)
+        self.keep_activations = keep_activations and not recompute
+        self.recompute = recompute  # stateless stages: the input travels again with each backward
+        self.checkpoint_every = checkpoint_every
+        self.average_every = average_every  # replicas of a stage average their parameters every H local steps
+        self.outer_lr, self.outer_momentum = outer_lr, outer_momentum  # DiLoCo outer Nesterov SGD (1, 0: mean)
+        self.rechoose_every = rechoose_every  # seconds between looks for replicas that joined (0: never)
+        self._chosen_at = 0.0
+        self._considered: set[str] = set()  # peers the last choice saw (used or left out)
+        self.run_step = 0  # the run's optimizer steps: the most any stage reported
+        self.replicas: list[list[PeerRecord]] = []  # per stage: the peers serving its span in this run
+        self.assignment: list[list[int]] = []  # per stage: which replica takes micro-batch i of a step
+        self.shares: list[list[int]] = []  # per stage: micro-batches per step of each replica
+        for module in (client.embedding, client.head):
+            module.requires_grad_(True).train()
+        self.part = PartOptimizer(unique_parameters(client.embedding, client.head), optim)
+        self.stages: list[PeerRecord] = []
+        self.steps_done = 0
+        self.bytes_sent = 0  # hidden-state bytes sent to stages (before encryption overhead)
+
+    # ---- synchronous API -------------------------------------------------------------------------
+    def start(self, wait: float = 5.0) -> list[PeerRecord]:
+        """Choose the pipeline (peers whose spans tile the blocks, waiting up to ``wait`` s for them) and open
+        the run on every stage; ``NoPipelineError`` if there is none by then."""
+        return self.client.loop.run(self.start_async(wait))
+
+    def train_step(self, micro_batches: Sequence[torch.Tensor]) -> StepResult:
+        """One optimizer step over ``accumulation`` micro-batches of token ids ``[b, T + 1]``."""
+        return self.client.loop.run(self.train_step_async(micro_batches))
+
+    def evaluate(self, input_ids: torch.Tensor) -> float:
+        """Mean next-token loss on ``input_ids`` through the swarm (plain forward, no training state)."""
+        with torch.no_grad():
+            return loss_of(self.client.forward(input_ids), input_ids).item()
+
+    # ---- async -------------------------------------------------------------------------------------
+    async def start_async(self, wait: float = 5.0, groups: list[list[PeerRecord]] | None = None
+                          ) -> list[PeerRecord]:
+        groups = groups or await self._stage_groups(wait)
+        self._chosen_at, self._considered = time.monotonic(), {r.peer_id for group in groups for r in group}
+        run_step = max(self.run_step, self.steps_done)
+        self.replicas, self.assignment, self.shares = [], [], []
+        for group in groups:  # a replica that would get no micro-batch of a step is left out of the run
+            order = spread(self.accumulation, [r.throughput for r in group])
+            used = sorted(set(order))
+            self.replicas.append([group[i] for i in used])
+            self.assignment.append([used.index(i) for i in order])
+            self.shares.append([order.count(i) for i in used])
+        self.stages = [group[0] for group in self.replicas]
+        steps: dict[str, int] = {}  # each replica's step in this run
+        for group, shares in zip(self.replicas, self.shares, strict=True):  # 1. open the run everywhere as it is
+            for record, share in zip(group, shares, strict=True):
+                steps[record.peer_id] = await self._open(record, share, [r.peer_id for r in group], 0)
+        for group, shares in zip(self.replicas, self.shares, strict=True):  # 2. replicas behind catch up
+            ahead = max(steps[r.peer_id] for r in group)
+            ordered = sorted((r.peer_id for r in group), key=lambda p: -steps[p])  # most advanced first
+            for record, share in zip(group, shares, strict=True):
+                if steps[record.peer_id] < ahead:
+                    logger.info("Run %s: replica %s of %d:%d is at step %d, behind %s at step %d: it catches "
+                                "up", self.run_id, short_id(record.peer_id), record.start, record.end,
+                                steps[record.peer_id], short_id(ordered[0]), ahead)
+                    steps[record.peer_id] = await self._open(record, share, ordered, ahead)
+        request_steps = [steps[r.peer_id] for group in self.replicas for r in group]
+        self.run_step = max(run_step, *request_steps)
+        logger.info("Run %s: stages %s (their steps: %s)", self.run_id, " -> ".join(
+            f"{g[0].start}:{g[0].end}@" + "+".join(f"{short_id(r.peer_id)}" for r in g) for g in self.replicas),
+            request_steps)
+        return self.stages
+
+    async def _open(self, record: PeerRecord, share: int, replicas: list[str], run_step: int) -> int:
+        """Open the run on one replica; a ``run_step`` above its step makes it catch up from the first replica
+        listed that is ahead of it (``peers.server.training_rpc``). Returns its step in the run."""
+        reply, _ = await self._call(record.peer_id, TrainOpen(
+            run_id=self.run_id, start=record.start, end=record.end, optim=self.optim.to_dict(), accumulation=share,
+            keep_activations=self.keep_activations, checkpoint_every=self.checkpoint_every, replicas=replicas,
+            average_every=self.average_every, outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
+            explicit_apply=True, run_step=run_step,
+        ), None)
+        return reply.step
+
+    async def _adopt_joiners(self) -> None:
+        """Add peers that started serving a span of the pipeline since it was chosen, as more replicas of it.
+
+        Only replicas of the spans in use join: switching to another tiling mid-run would hand blocks to peers
+        that never trained them. A joiner behind the span's most advanced replica takes that one's parameters and
+        step count when the run is opened (``start_async``) and is averaged with the others every H steps.
+        """
+        self._chosen_at = time.monotonic()
+        banned = self.client.router.banned()
+        spans = {(group[0].start, group[0].end): i for i, group in enumerate(self.replicas)}
+        joiners = [r for r in await self.client._fetch() if (r.start, r.end) in spans and r.peer_id not in banned
+                   and r.peer_id not in self._considered]
+        if not joiners:
+            return
+        groups = [list(group) for group in self.replicas]
+        for record in joiners:
+            groups[spans[(record.start, record.end)]].append(record)
+        logger.info("Run %s: %s joined; re-opening the run with them at step %d", self.run_id, ", ".join(
+            f"{short_id(r.peer_id)} ({r.start}:{r.end})" for r in joiners), max(self.run_step, self.steps_done))
+        considered, current = self._considered, [list(group) for group in self.replicas]
+        try:  # a joiner that breaks its stream raises StageFailure: the step's retry re-chooses without it
+            await self.start_async(groups=groups)
+        except MembershipError:  # we are no member (any more): final, whoever refused
+            raise
+        except RequestError as e:  # e.g. it trains another trainer's run
+            logger.warning("Run %s: a joining peer refused the run (%s); carrying on without the joiners",
+                           self.run_id, e)
+            await self.start_async(groups=current)
+        self._considered |= considered | {r.peer_id for r in joiners}  # not joiners again (nor slow left-outs)
+
+    async def _stage_groups(self, grace: float = 5.0) -> list[list[PeerRecord]]:
+        """The stages to use now, without banned peers; a snapshot that lacks some (a DHT node just died, a
+        heartbeat is late) is retried for ``grace`` seconds before ``NoPipelineError`` is raised. If only banned
+        peers are missing, their bans are waited for up to the router's ``max_wait``, then the error names them;
+        sealed records (a private swarm we are no member of) raise ``PrivateSwarmError``."""
+        router, num_blocks, began = self.client.router, self.client.model_config.num_layers, time.monotonic()
+        while True:
+            snapshot, banned = await self.client._fetch(), router.banned()
+            try:
+                return choose_stage_groups([r for r in snapshot if r.peer_id not in banned], num_blocks)
+            except NoPipelineError as e:
+                waited = time.monotonic() - began
+                if waited >= grace:
+                    self._why_no_pipeline(e, snapshot, banned, waited)
+            await asyncio.sleep(0.5)
+
+    def _why_no_pipeline(self, error: NoPipelineError, snapshot: list[PeerRecord], banned: set[str],
+                         waited: float) -> None:
+        """Raise what stands in the way of a pipeline, unless it is bans that end within the router's wait."""
+        router = self.client.router
+        if not snapshot and getattr(snapshot, "sealed", 0):
+            raise PrivateSwarmError(self.client.model_name, snapshot.sealed) from error
+        try:
+            choose_stage_groups(snapshot, self.client.model_config.num_layers)  # with the banned peers
+        except NoPipelineError:
+            raise error from None
+        left_out = router.unavailable(r.peer_id for r in snapshot if r.peer_id in banned)
+        if left_out and waited + min(u.seconds_left for u in left_out) <= router.max_wait:
+            return  # their bans end soon: wait for them
+        raise NoPipelineError(f"{error}; with the peers banned after failures it would: {describe(left_out)}; they "
+                              f"are tried again when their bans end (check them with `swarm status`)") from None
+
+    async def train_step_async(self, micro_batches: Sequence[torch.Tensor]) -> StepResult:
+        """Run the step's micro-batches (retried on another pipeline if a stage peer fails), then commit it."""
+        if len(micro_batches) != self.accumulation:
+            raise ValueError(f"a step takes {self.accumulation} micro-batches (accumulation), got {len(micro_batches)}")
+        started, failures = time.perf_counter(), 0
+        while True:
+            try:
+                if not self.stages:
+                    await self.start_async()
+                elif self.rechoose_every and time.monotonic() - self._chosen_at >= self.rechoose_every:
+                    await self._adopt_joiners()
+                stage_steps: list[int] = [0] * len(self.replicas)
+                stage_busy: list[float] = [0.0] * len(self.replicas)
+                losses = await self._run_micro_batches(micro_batches, stage_steps, stage_busy)
+                break
+            except StageFailure as failure:
+                self.part.zero_grad()  # the trainer's share of the failed attempt is discarded too
+                failures += 1
+                self.client.router.on_failure(failure.peer_id, failure.error, started=failure.started)
+                if failures > self.client.config.max_retries:
+                    raise RuntimeError(f"step {self.steps_done} failed {failures} times (last: {failure}); check "
+                                       f"`swarm status` and that peers whose spans tile the model are up") from failure
+                logger.warning("Run %s: %s; re-choosing the stages and retrying step %d", self.run_id, failure,
+                               self.steps_done)
+                await asyncio.sleep(backoff(failures))
+                self.stages = []  # choose again; re-opening the run discards every stage's partial step
+        await self._commit(stage_steps)
+        self.part.step()
+        self.steps_done += 1
+        busy = [b / len(group) for b, group in zip(stage_busy, self.replicas, strict=True)]  # per replica
+        return StepResult(sum(losses), sum(int(m[:, 1:].numel()) for m in micro_batches), stage_steps,
+                          time.perf_counter() - started, busy, [s.peer_id for s in self.stages])
+
+    async def _run_micro_batches(self, micro_batches: Sequence[torch.Tensor], stage_steps: list[int],
+                                 stage_busy: list[float]) -> list[float]:
+        gate = asyncio.Semaphore(self.in_flight)
+
+        async def one(index: int, input_ids: torch.Tensor) -> float:
+            async with gate:
+                return await self._micro_batch(input_ids, index, stage_steps, stage_busy)
+
+        tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(micro_batches)]
+        try:
+            return await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _commit(self, stage_steps: list[int]) -> None:
+        """Phase two: every replica applies its share of the step at once (and averages when due)."""
+        calls = [(stage, record.peer_id, TrainApply(run_id=self.run_id, micro_batches=share))
+                 for stage, (group, shares) in enumerate(zip(self.replicas, self.shares, strict=True))
+                 for record, share in zip(group, shares, strict=True)]
+        results = await asyncio.gather(*(self._call(peer_id, message, None) for _, peer_id, message in calls),
+                                       return_exceptions=True)
+        if final := next((r for r in results if isinstance(r, MembershipError)), None):
+            raise final  # we are no member (any more): no ban, no retry
+        for (stage, peer_id, _), result in zip(calls, results, strict=True):
+            if isinstance(result, BaseException):  # its share of this step is lost; the others applied theirs
+                logger.warning("Run %s: peer %s did not apply step %d: %s", self.run_id, short_id(peer_id),
+                               self.steps_done, result)
+                self.client.router.on_failure(peer_id, result, started=getattr(result, "started", None))
+                self.stages = []  # choose the stages again before the next step
+            else:
+                stage_steps[stage] = max(stage_steps[stage], result[0].step)
+                self.run_step = max(self.run_step, result[0].step)
+
+    async def _call(self, peer_id: str, message, tensor: torch.Tensor | None):
+        """One request to a stage; a broken stream or a timeout becomes ``StageFailure`` (retried elsewhere). A
+        refusal raises ``RequestError`` (``NotAdmittedError`` if as no member), failing to be admitted on a new
+        stream ``MembershipError``: both final."""
+        started = time.monotonic()
+        try:
+            stream = await self.client.peer_stream(peer_id)
+            return await stream.call(message, tensor, self.client.config.request_timeout)
+        except RequestError as e:
+            raise classify(e) from None
+        except (ConnectionError, TimeoutError, asyncio.TimeoutError, OSError, P2PDaemonError, P2PHandlerError) as e:
+            raise StageFailure(peer_id, e, started) from e
+
+    async def _micro_batch(self, input_ids: torch.Tensor, index: int, stage_steps: list[int],
+                           stage_busy: list[float]) -> float:
+        """Micro-batch ``index`` of the step: forward through a replica of each stage, loss, backward.
+
+        Each replica averages the gradients of its own share of the step's micro-batches (it takes a full
+        AdamW step on them); the trainer's part averages over all of them. So the gradient a replica gets is
+        scaled by ``accumulation / share`` (exactly 1 with one replica), and scaled back on its way out.
+        """
+        client = self.client
+        micro_id = f"{self.steps_done}.{index}"
+        input_ids = input_ids.to(client.device)
+        positions = default_position_ids(input_ids)
+        embedded = client.embedding.embed(input_ids, positions)  # with grad: the embedding trains here
+        hidden, inputs, route = embedded.detach(), [], []
+        for stage, group in enumerate(self.replicas):
+            replica = self.assignment[stage][index]
+            route.append((group[replica].peer_id, self.accumulation / self.shares[stage][replica]))
+            inputs.append(hidden)
+            self.bytes_sent += hidden.numel() * hidden.element_size()
+            reply, hidden = await self._call(route[-1][0], TrainForward(run_id=self.run_id, micro_id=micro_id), hidden)
+            stage_busy[stage] += reply.compute_ms / 1e3
+        last = hidden.to(client.device, client.dtype).requires_grad_(True)
+        loss = loss_of(client.head.head(last), input_ids) / self.accumulation
+        grad, *head_grads = torch.autograd.grad(loss, [last, *self.part.params], allow_unused=True)
+        for stage in reversed(range(len(self.replicas))):
+            peer_id, scale = route[stage]
+            grad = grad * scale if scale != 1 else grad
+            payload = torch.stack([inputs[stage], grad]) if self.recompute else grad
+            self.bytes_sent += payload.numel() * payload.element_size()
+            message = TrainBackward(run_id=self.run_id, micro_id=micro_id, recompute=self.recompute)
+            reply, grad = await self._call(peer_id, message, payload)
+            grad = grad / scale if scale != 1 else grad
+            stage_steps[stage] = max(stage_steps[stage], reply.step)
+            stage_busy[stage] += reply.compute_ms / 1e3
+        embedding_grads = torch.autograd.grad(embedded, self.part.params, grad.to(client.device, client.dtype),
+                                              allow_unused=True)
+        self.part.add(head_grads, embedding_grads)
+        return float(loss.detach())

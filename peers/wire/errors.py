@@ -1,0 +1,27 @@
+"""How a peer refuses: ``RequestError`` (with the reason), and the refusals a client must tell apart: not admitted
+(final) and capacity (retry later or elsewhere, not a failure)."""
+
+from __future__ import annotations
+
+from privacy.errors import MembershipError
+
+
+class RequestError(ValueError):
+    """A peer refused a request; the message says why and what to change."""
+
+
+NOT_ADMITTED = "not admitted"  # how a private swarm's peer refuses a non-member, or a revoked or expired one
+
+
+class NotAdmittedError(MembershipError, RequestError):
+    """A peer refused us as no member (no, expired or revoked certificate): final, every member answers the same
+    until the swarm owner issues a new invite."""
+
+
+CAPACITY_REFUSAL = "busy:"  # how a refusal for lack of capacity starts: retry later or elsewhere, not a failure
+
+
+class CapacityError(RequestError):
+    """A peer has no room for this request now (its cache, or this client's share of it, is full)."""
+
+

@@ -1,0 +1,332 @@
+"""``PeerStream``: a client's one long-lived inference stream to one peer, shared by all its sessions there.
+
+Steps that sessions issue while another step is in flight on the stream wait, and leave together in one
+message (when they have the same number of new tokens): with many concurrent sessions the peer gets large
+batches and the wire carries one message per round instead of one per session. Replies come back in order.
+If the stream breaks or a reply is late, every pending request fails at once and the stream is dropped, so
+that each session re-routes (see ``peers.client.inference_session``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
+
+from peers.wire.errors import RequestError
+from peers.wire.framing import FrameWriter, IncomingFrames, encode, end_of_stream
+from peers.wire.messages import (
+    ForwardRequest,
+    InferenceClose,
+    InferenceHello,
+    InferenceOpen,
+    InferenceReply,
+    InferenceStep,
+    Message,
+    pack_inference,
+)
+from peers.wire.service import HEARTBEAT_METADATA, INFERENCE_HANDLE
+from peers.wire.tensors import MAX_REPLY_BYTES, read_tensor_messages, sealer, tensor_messages, unsealer
+from privacy.admission import Admission, proof_context
+from privacy.channel import ClientHandshake, SecureChannel, new_session_id
+from privacy.errors import ChannelError, MembershipError
+from privacy.peer_ids import public_key_of, short_id
+
+logger = logging.getLogger(__name__)
+
+MAX_COALESCED_TOKENS = 512  # rows x new tokens of the steps sent together in one message
+LIVENESS_TIMEOUT = 3.0  # seconds of silence (no reply, no heartbeat) with requests pending: the peer is gone
+
+
+@dataclass(eq=False)
+class _Step:
+    session_id: str
+    position: int
+    hidden: torch.Tensor
+    timeout: float
+    future: asyncio.Future = field(repr=False)
+
+
+class PeerStream:
+    """One stream to ``peer_id``; create with ``await PeerStream.connect(...)``."""
+
+    def __init__(self, p2p: P2P, peer_id: str) -> None:
+        self.p2p, self.peer_id = p2p, peer_id
+        self.closed = False
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self._waiting: deque[tuple[asyncio.Future, asyncio.TimerHandle | None]] = deque()  # replies due, in order
+        self._pending: list[_Step] = []
+        self._in_flight = False
+        self._flush_scheduled = False
+        self._reader: asyncio.Task | None = None
+        self._writer: asyncio.Task | None = None
+        self._watchdog: asyncio.Task | None = None
+        self._replies: IncomingFrames | None = None
+        self.step_messages = 0  # step messages sent (each may carry several sessions' steps)
+        self._channel: SecureChannel | None = None  # set by the handshake: seals every tensor both ways
+        self._idle_until = 0.0  # loop time when the pending requests started (liveness counts from then)
+
+    @classmethod
+    async def connect(cls, p2p: P2P, peer_id: str, *, encrypt: bool = True, timeout: float = 30.0,
+                      admission: Admission | None = None, liveness_timeout: float = LIVENESS_TIMEOUT) -> PeerStream:
+        """Open the stream; with ``encrypt``, agree on keys with the peer whose public key is ``peer_id``.
+
+        Every tensor on an encrypted stream is sealed with AES-GCM under keys only this client and that peer
+        hold: relays, other peers and the p2p daemons see ciphertext (shapes and dtypes stay visible). The hello
+        also carries ``admission``'s proof (a private swarm's membership proof, bound to this handshake) and asks
+        for heartbeats: while a request is pending, a peer that sends nothing for ``liveness_timeout`` seconds
+        is taken for gone (a peer that dies closes the stream, which fails the pending requests at once).
+        """
+        admission = admission or Admission()
+        stream = cls(p2p, peer_id)
+        _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), INFERENCE_HANDLE)
+        stream._start(reader, writer)
+        try:
+            peer_key = public_key_of(peer_id)
+            handshake = ClientHandshake(peer_key, new_session_id()) if encrypt else None
+            hello = handshake.hello() if handshake else b""
+            proof = admission.proof(proof_context("rpc_inference", peer_key, hello)) if admission.required else b""
+            metadata = pack_inference(InferenceHello(hello=hello, proof=proof, heartbeat=True))
+            reply, _ = await stream._request(metadata, None, timeout)
+            if reply.error:
+                error = MembershipError if reply.error.startswith("not admitted") else ChannelError
+                raise error(f"peer {short_id(peer_id)} refused the stream: {reply.error}")
+            if handshake is not None:
+                stream._channel = handshake.finish(reply.handshake)
+            if reply.heartbeat > 0:
+                limit = max(liveness_timeout, 3 * reply.heartbeat)
+                stream._watchdog = asyncio.create_task(stream._watch(limit))
+        except BaseException:
+            stream.shutdown()
+            raise
+        return stream
+
+    @classmethod
+    async def without_hello(cls, p2p: P2P, peer_id: str) -> PeerStream:
+        """A stream that skips the hello (no handshake, no proof, no heartbeats): what a careless or hostile
+        client sends; for tests of what peers refuse."""
+        stream = cls(p2p, peer_id)
+        _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), INFERENCE_HANDLE)
+        stream._start(reader, writer)
+        return stream
+
+    def _start(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._replies = IncomingFrames(reader, runtime_pb2.ExpertResponse, max_queued=64,
+                                       name=f"stream to peer {short_id(self.peer_id)}")
+        self._out = FrameWriter(writer)  # closed when the reader ends: the end-of-stream frame is only a half-close
+        self._writer = asyncio.create_task(self._write(self._out))
+        self._reader = asyncio.create_task(self._read(self._frames()))
+
+    async def forward(self, start: int, end: int, hidden: torch.Tensor, timeout: float) -> torch.Tensor:
+        """Blocks ``[start, end)`` of the peer on ``hidden`` (no session); ``RequestError`` if refused."""
+        reply, output = await self._request(pack_inference(ForwardRequest(start=start, end=end)), hidden, timeout)
+        if reply.error or output is None:
+            raise RequestError(f"peer {short_id(self.peer_id)} refused blocks {start}:{end}: "
+                               f"{reply.error or 'no output in the reply'}")
+        return output
+
+    async def call(self, message: Message, tensor: torch.Tensor | None, timeout: float
+                   ) -> tuple[InferenceReply, torch.Tensor | None]:
+        """Send one request (e.g. a training call) and return its reply; ``RequestError`` if it was refused."""
+        reply, output = await self._request(pack_inference(message), tensor, timeout)
+        if reply.error:
+            raise RequestError(f"peer {short_id(self.peer_id)} refused {type(message).__name__}: {reply.error}")
+        return reply, output
+
+    async def open(self, request: InferenceOpen, timeout: float) -> InferenceReply:
+        reply, _ = await self._request(pack_inference(request), None, timeout)
+        return reply
+
+    async def step(self, session_id: str, position: int, hidden: torch.Tensor, timeout: float) -> torch.Tensor:
+        """The outputs of one session's step; may travel together with other sessions' steps."""
+        if self.closed:
+            raise ConnectionError(f"stream to peer {short_id(self.peer_id)} is closed")
+        step = _Step(session_id, position, hidden, timeout, asyncio.get_running_loop().create_future())
+        self._pending.append(step)
+        self._schedule_flush()
+        return await step.future
+
+    def close_sessions(self, session_ids: list[str], *, detach: bool = False) -> None:
+        """Free (or detach) sessions on the peer; no reply is awaited."""
+        if not self.closed:
+            self._outbox.put_nowait(_message(pack_inference(InferenceClose(session_ids=session_ids, detach=detach))))
+
+    def shutdown(self, error: BaseException | None = None) -> None:
+        """Fail everything pending and end the stream."""
+        if self.closed:
+            return
+        self.closed = True
+        error = error or ConnectionError(f"stream to peer {short_id(self.peer_id)} was closed")
+        for step in self._pending:
+            if not step.future.done():
+                step.future.set_exception(error)
+        self._pending.clear()
+        while self._waiting:
+            future, timer = self._waiting.popleft()
+            if timer is not None:
+                timer.cancel()
+            if not future.done():
+                future.set_exception(error)
+        self._outbox.put_nowait(None)  # the writer sends the end of stream, then closes
+        for task in (self._reader, self._watchdog):
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+        if self._replies is not None:
+            self._replies.close()
+
+    # ---- internals --------------------------------------------------------------------------------
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled and not self._in_flight:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Send the pending steps that can travel together, unless a step is already in flight."""
+        self._flush_scheduled = False
+        if self._in_flight or self.closed or not self._pending:
+            return
+        tokens = self._pending[0].hidden.shape[1]
+        group, rest, size = [], [], 0
+        for step in self._pending:
+            step_tokens = step.hidden.shape[0] * step.hidden.shape[1]
+            if not group or (step.hidden.shape[1] == tokens and size + step_tokens <= MAX_COALESCED_TOKENS):
+                group.append(step)
+                size += step_tokens
+            else:
+                rest.append(step)
+        self._pending = rest
+        metadata = pack_inference(InferenceStep(session_ids=[s.session_id for s in group],
+                                                positions=[s.position for s in group]))
+        hidden = torch.cat([s.hidden for s in group]) if len(group) > 1 else group[0].hidden
+        self._in_flight = True
+        self.step_messages += 1
+        reply = asyncio.ensure_future(self._request(metadata, hidden, max(s.timeout for s in group)))
+        reply.add_done_callback(lambda done: self._deliver(done, group))
+
+    def _deliver(self, done: asyncio.Future, group: list[_Step]) -> None:
+        self._in_flight = False
+        if done.cancelled() or done.exception() is not None:
+            error = ConnectionError("request cancelled") if done.cancelled() else done.exception()
+            for step in group:
+                if not step.future.done():
+                    step.future.set_exception(error)
+        else:
+            reply, output = done.result()
+            accepted = [s for s, e in zip(group, reply.errors, strict=False) if not e]
+            if reply.error or len(reply.errors) != len(group):
+                why = reply.error or "malformed reply"
+                error = RequestError(f"peer {short_id(self.peer_id)} refused a step: {why}")
+                for step in group:
+                    step.future.set_exception(error)
+            else:
+                outputs = iter(output.split([len(s.hidden) for s in accepted]) if accepted else ())
+                for step, message in zip(group, reply.errors, strict=True):
+                    if step.future.done():
+                        continue
+                    if message:
+                        refusal = f"peer {short_id(self.peer_id)} refused a step: {message}"
+                        step.future.set_exception(RequestError(refusal))
+                    else:
+                        step.future.set_result(next(outputs))
+        self._schedule_flush()
+
+    async def _request(self, metadata: bytes, hidden: torch.Tensor | None, timeout: float):
+        """Send one request and wait for its reply ``(InferenceReply, tensor or None)``."""
+        if self.closed:
+            raise ConnectionError(f"stream to peer {short_id(self.peer_id)} is closed")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        timer = loop.call_later(timeout, self._expire, future, timeout)
+        if not self._waiting:
+            self._idle_until = loop.time()  # silence before this request does not count against the peer
+        self._waiting.append((future, timer))
+        if hidden is None:
+            self._outbox.put_nowait(_message(metadata))
+        else:
+            for message in tensor_messages(hidden, metadata, seal=self._seal):
+                self._outbox.put_nowait(message)
+        return await future
+
+    @property
+    def encrypted(self) -> bool:
+        return self._channel is not None
+
+    @property
+    def _seal(self):
+        return sealer(self._channel)
+
+    @property
+    def _unseal(self):
+        return unsealer(self._channel)
+
+    def _expire(self, future: asyncio.Future, timeout: float) -> None:
+        if not future.done():
+            self.shutdown(TimeoutError(f"peer {short_id(self.peer_id)} did not answer within {timeout:.1f} s"))
+
+    async def _write(self, out: FrameWriter) -> None:
+        """Send the outbox's messages in order; at its end (``shutdown``), hivemind's end-of-stream frame."""
+        try:
+            while (message := await self._outbox.get()) is not None:
+                await out.send(encode(message))
+            await out.send(end_of_stream())
+        except (ConnectionError, OSError) as e:
+            self.shutdown(ConnectionError(f"stream to peer {short_id(self.peer_id)} broke while sending: {e!r}"))
+        finally:
+            if self.closed:  # after a shutdown; an end of stream alone only half-closes (replies may still come)
+                out.close()
+
+    async def _frames(self):
+        """The peer's replies, without its heartbeats."""
+        while (message := await self._replies.get()) is not None:
+            if message.tensors or message.metadata != HEARTBEAT_METADATA:
+                yield message
+
+    async def _watch(self, limit: float) -> None:
+        """Fail the pending requests once the peer has sent nothing (no reply, no heartbeat) for ``limit`` s."""
+        loop = asyncio.get_running_loop()
+        while not self.closed:
+            before = loop.time()
+            await asyncio.sleep(limit / 4)
+            if loop.time() - before > limit / 2:  # our own loop was blocked: frames may be waiting unread
+                continue
+            heard = max(self._replies.last_frame, self._idle_until)
+            if self._waiting and loop.time() - heard > limit:
+                self.shutdown(ConnectionError(
+                    f"peer {short_id(self.peer_id)} sent nothing for {loop.time() - heard:.1f} s (no reply, no "
+                    f"heartbeat) while requests were pending: it is gone or unreachable"))
+
+    async def _read(self, replies) -> None:
+        try:
+            async for first in replies:
+                reply = InferenceReply.from_bytes(first.metadata)
+                output = None
+                if first.tensors:
+                    _, output = await read_tensor_messages(replies, MAX_REPLY_BYTES, first=first, unseal=self._unseal)
+                if not self._waiting:
+                    raise ConnectionError("the peer sent a reply nobody asked for")
+                future, timer = self._waiting.popleft()
+                if timer is not None:
+                    timer.cancel()
+                if not future.done():
+                    future.set_result((reply, output))
+            end = self._replies.end.error if self._replies.end is not None else ""
+            reason = f"peer {short_id(self.peer_id)} closed the stream"
+            self.shutdown(ConnectionError(f"{reason}: {end}" if end else reason))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            broke = ConnectionError(f"stream to peer {short_id(self.peer_id)} closed or broke: {e!r}")
+            self.shutdown(e if isinstance(e, RequestError) else broke)
+        finally:
+            if self._writer is None or self._writer.done():
+                self._out.close()
+
+
+def _message(metadata: bytes) -> runtime_pb2.ExpertRequest:
+    return runtime_pb2.ExpertRequest(metadata=metadata)
+

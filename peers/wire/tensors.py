@@ -1,0 +1,126 @@
+"""Tensors on the stream: serialized (bfloat16 kept at 2 bytes), optionally sealed, split into chunk messages
+and read back with a size limit."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import runtime_pb2
+from hivemind.utils.streaming import split_for_streaming
+
+from peers.core.ids import DTYPES
+from peers.wire.errors import RequestError
+
+MAX_REPLY_BYTES = 1 << 30  # clients accept replies up to this size
+CHUNK_BYTES = 1 << 20  # tensors travel in 1 MiB messages: big enough for the stream rate, small for memory
+WIRE_DTYPES = DTYPES  # what a peer accepts on the wire: the dtypes it can serve
+MAX_DIMS = 8  # a tensor on the wire has at most this many dimensions (ours have 1 to 4)
+
+
+def sealer(channel) -> Callable[[bytes, bytes], bytes] | None:
+    """``seal(buffer, metadata)`` for ``tensor_messages`` from a stream's ``SecureChannel`` (None: plaintext).
+
+    The request's metadata is the associated data, so a sealed tensor cannot be moved to another request.
+    """
+    return None if channel is None else (lambda data, aad: channel.seal(data, step=0, aad=aad))
+
+
+def unsealer(channel) -> Callable[[bytes, bytes], bytes] | None:
+    """The inverse of ``sealer``, for ``read_tensor_messages``."""
+    return None if channel is None else (lambda data, aad: channel.open(data, step=0, aad=aad))
+
+
+def serialize(tensor: torch.Tensor) -> runtime_pb2.Tensor:
+    """hivemind's serialization, except that bfloat16 keeps its 2 bytes per value (hivemind's default mode
+    widens it to float32, doubling the bytes of a bf16 model's activations); every hivemind reads both."""
+    tensor = tensor.detach().cpu()
+    if tensor.dtype != torch.bfloat16:
+        return serialize_torch_tensor(tensor)
+    return runtime_pb2.Tensor(compression=runtime_pb2.CompressionType.NONE, size=tensor.shape, dtype="bfloat16",
+                              buffer=tensor.contiguous().view(torch.int16).numpy().tobytes())
+
+
+def tensor_messages(
+    tensor: torch.Tensor, metadata: bytes, cls: type = runtime_pb2.ExpertRequest,
+    seal: Callable[[bytes, bytes], bytes] | None = None,
+) -> Iterator[Any]:
+    """Serialize ``tensor`` into stream messages; the first one carries ``metadata``.
+
+    ``seal(buffer, metadata)``, if given, encrypts the tensor's bytes (shape and dtype stay in the clear).
+    """
+    serialized = serialize(tensor)
+    if seal is not None:
+        serialized.buffer = seal(serialized.buffer, metadata)
+    for i, chunk in enumerate(split_for_streaming(serialized, CHUNK_BYTES)):
+        yield cls(tensors=[chunk], metadata=metadata if i == 0 else b"")
+
+
+async def read_tensor_messages(
+    stream: AsyncIterator[Any], max_bytes: int, first: Any | None = None,
+    unseal: Callable[[bytes, bytes], bytes] | None = None,
+) -> tuple[bytes, torch.Tensor]:
+    """Collect one tensor (and the first message's metadata) from a stream of chunked messages.
+
+    ``first``, if given, is a message already taken from ``stream``. Reads exactly the tensor's chunks, so
+    a long-lived stream can carry many tensors one after another. Raises ``RequestError`` if the stream
+    ends early, the chunks are malformed or exceed ``max_bytes`` (or declare more chunks than ``max_bytes``
+    allows: a tensor is kept as its chunks' buffers only, never more of them), ``unseal``'s error if it refuses.
+    """
+    if first is None:
+        try:
+            first = await anext(stream)
+        except StopAsyncIteration:
+            raise RequestError("stream ended before any tensor") from None
+    if len(first.tensors) != 1:
+        raise RequestError(f"expected one tensor per message, got {len(first.tensors)}")
+    head = first.tensors[0]
+    expected, most = max(1, head.chunks), max(1, -(-max_bytes // CHUNK_BYTES))
+    buffers, received, count = [head.buffer], len(head.buffer) + len(first.metadata), 1
+    while count < expected:  # an oversized tensor is still read to its end (and dropped): the stream stays in step
+        try:
+            message = await anext(stream)
+        except StopAsyncIteration:
+            raise RequestError(f"stream ended after {count} of {expected} chunks") from None
+        if len(message.tensors) != 1:
+            raise RequestError("malformed stream: a chunk message must carry exactly one tensor part")
+        received += len(message.tensors[0].buffer) + len(message.metadata)
+        count += 1
+        if received <= max_bytes and expected <= most:
+            buffers.append(message.tensors[0].buffer)
+        else:
+            buffers.clear()
+    if received > max_bytes:
+        raise RequestError(f"request exceeds this peer's limit of {max_bytes} bytes; send smaller batches")
+    if expected > most:
+        raise RequestError(f"tensor declares {expected} chunks; at most {most} fit this peer's limit of {max_bytes} B")
+    serialized = runtime_pb2.Tensor(size=head.size, dtype=head.dtype, compression=head.compression,
+                                    buffer=b"".join(buffers))
+    if unseal is not None:
+        serialized.buffer = unseal(serialized.buffer, first.metadata)
+    return first.metadata, decode_tensor(serialized)
+
+
+def decode_tensor(serialized: runtime_pb2.Tensor) -> torch.Tensor:
+    """An uncompressed tensor of a wire dtype whose buffer matches its shape (checked before anything is
+    allocated; never requiring grad), else ``RequestError``."""
+    if serialized.dtype not in WIRE_DTYPES:
+        raise RequestError(f"dtype {serialized.dtype[:32]!r} is not accepted; send one of {sorted(WIRE_DTYPES)}")
+    if serialized.compression != runtime_pb2.CompressionType.NONE:
+        raise RequestError(f"malformed tensor: compression type {serialized.compression} is not accepted; "
+                           f"send uncompressed (NONE) tensors")
+    if len(serialized.size) > MAX_DIMS:
+        raise RequestError(f"malformed tensor: {len(serialized.size)} dimensions, at most {MAX_DIMS} accepted")
+    numel = math.prod(serialized.size)
+    legacy = {numel * 4} if serialized.dtype == "bfloat16" else set()  # hivemind's legacy bfloat16 mode sends fp32
+    sizes = {numel * WIRE_DTYPES[serialized.dtype].itemsize, *legacy}
+    if len(serialized.buffer) not in sizes:
+        shape = tuple(serialized.size)
+        raise RequestError(f"tensor of shape {shape} does not match its {len(serialized.buffer)} bytes")
+    try:
+        return deserialize_torch_tensor(serialized).detach()
+    except Exception as e:
+        raise RequestError(f"malformed tensor: {e}") from e
