@@ -85,6 +85,27 @@ def test_finding_chaos_a_lone_stage_killed_before_the_commit_gets_the_step_repla
     assert max((saved[k] - local[k].detach()).abs().max().item() for k in saved) <= 1e-6
 
 
+def test_finding_chaos_a_stage_back_from_an_older_checkpoint_is_a_loud_lost_step(fresh_swarm, llama_dir, caplog):
+    """Peers that checkpoint every 2 steps: the 4:8 peer killed before applying step 4 comes back at step 2, two
+    steps behind. That cannot be replayed: an error says which blocks lost which steps and how to avoid it, the
+    trainer keeps it in ``lost_steps``, and the steps the stages report show the difference."""
+    swarm = fresh_swarm
+    procs = _peers(swarm, llama_dir, {"stage0": "0:4", "stage1": "4:8"})
+    data = TokenBatches(encode_bytes(TEXT), seq_len=16, micro_batch=2, seed=7)
+    with _client(swarm, llama_dir, 2) as client:
+        trainer = SwarmTrainer(client, OPTIM, 2, run_id="lost", checkpoint_every=2)
+        _kill_before_commit(trainer, procs["stage1"], at_step=3)
+        for _ in range(4):
+            trainer.train_step([data.next_micro() for _ in range(2)])
+        swarm.start_peer(llama_dir, block_indices="4:8", name="stage1-again", extra=_flags(swarm, "stage1"))
+        result = trainer.train_step([data.next_micro() for _ in range(2)])
+    assert result.stage_steps == [5, 3] and trainer.replayed == 0
+    assert [{k: v for k, v in lost.items() if k != "message"} for lost in trainer.lost_steps] == [
+        {"blocks": "4:8", "step": 2, "run_expected": 4, "lost": 2}]
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("blocks 4:8 LOST 2 step(s)" in m and "checkpoint_every = 1" in m for m in errors)
+
+
 class _Waiting(logging.Handler):
     """Sets ``event`` once the trainer says it has waited ``seconds`` for its stages' peers."""
 
