@@ -52,7 +52,8 @@ def add_train_command(sub) -> None:
     train.add_argument("--eval_every", type=int, default=10, help="held-out loss every N steps (0: start and end)")
     train.add_argument("--eval_windows", type=int, default=16, help="held-out windows per evaluation")
     train.add_argument("--wait_peers", type=float, default=60.0,
-                       help="seconds to wait for peers whose spans tile the model")
+                       help="seconds to wait for peers whose spans tile the model, at the start and whenever a "
+                            "stage's peer is gone mid-run (e.g. while it restarts)")
     train.add_argument("--request_timeout", type=float, default=60.0, help="deadline of one RPC, seconds")
     train.set_defaults(func=_cmd_train)
 
@@ -145,7 +146,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         trainer = SwarmTrainer(client, config.optim, config.accumulation, in_flight=config.in_flight, run_id=run_id,
                                keep_activations=config.keep_activations, checkpoint_every=config.checkpoint_every,
                                average_every=config.average_every, outer_lr=config.outer_lr,
-                               outer_momentum=config.outer_momentum, rechoose_every=config.rechoose_every)
+                               outer_momentum=config.outer_momentum, rechoose_every=config.rechoose_every,
+                               pipeline_wait=args.wait_peers)  # also for a stage's peer that restarts mid-run
         path = trainer_checkpoint_path(config.checkpoint_dir, run_id) if config.checkpoint_dir else None
         resumed = path is not None and _resume(trainer, path, config, batches, console)
         extra = {**{k: getattr(config, k) for k in GEOMETRY}, "model": client.model_name,

@@ -7,6 +7,11 @@ private as its activations), waits for theirs, and takes the mean in peer-id ord
 the same set compute bit-identical results. The outer optimizer is Nesterov SGD on ``anchor - mean``
 (``outer_lr=1, outer_momentum=0`` is plain averaging); a replica that does not answer in time is left out
 of that round and the others go on, and one that our push cannot reach (its peer is gone) is not waited for.
+
+A round is named by the step it follows (``round_at(step, every)``: step 8 with H = 4 is round 2), not counted
+by each replica: a replica that rejoins a run counts its steps from the run's, so its rounds line up with the
+others' however often its averager was re-made. A push for a round that is over here is refused, and its
+sender (behind us) is not waited for in our round: neither side waits out the timeout for the other.
 """
 
 from __future__ import annotations
@@ -26,12 +31,17 @@ logger = logging.getLogger(__name__)
 StreamFor = Callable[[str], Awaitable]  # peer id -> an open PeerStream to it
 
 
+def round_at(step: int, every: int) -> int:
+    """The averaging round that follows optimizer step ``step`` (a multiple of ``every``)."""
+    return step // every
+
+
 class ReplicaAverager:
     """Averaging rounds of one run's replica of a span; ``receive`` is fed by the stream handler."""
 
     def __init__(self, own_peer_id: str, run_id: str, replicas: list[str], stream_for: StreamFor, *,
                  outer_lr: float = 1.0, outer_momentum: float = 0.0, timeout: float = 30.0,
-                 anchor: torch.Tensor | None = None) -> None:
+                 anchor: torch.Tensor | None = None, first_round: int = 0) -> None:
         self.own_peer_id, self.run_id, self.replicas = own_peer_id, run_id, sorted(set(replicas) - {own_peer_id})
         self.stream_for, self.timeout = stream_for, timeout
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
@@ -40,7 +50,8 @@ class ReplicaAverager:
         # parameters after the previous round (at first: when the run opened, the same on every replica)
         self._anchor = None if anchor is None else anchor.detach().to(torch.float32).clone()
         self._velocity: torch.Tensor | None = None
-        self.rounds = 0
+        self.rounds = first_round  # the next round this replica averages in (pushes for earlier ones are refused)
+        self._behind: dict[str, int] = {}  # replica that pushed a round that was over -> our round it is excused from
         self.last_group = 0  # replicas averaged in the last round (self included)
 
     def receive(self, sender: str, round_: int, flat: torch.Tensor, numel: int) -> None:
@@ -52,13 +63,22 @@ class ReplicaAverager:
         if not all_finite([flat]):
             raise ValueError("parameters contain NaN or infinite values")
         if round_ < self.rounds:
-            raise ValueError(f"round {round_} is over (this replica is at round {self.rounds})")
+            self._behind[sender] = self.rounds  # it is behind us: our current round does not wait for it
+            for event in self._arrived.values():
+                event.set()
+            raise ValueError(f"round {round_} is over (this replica is at round {self.rounds}; a round is the step "
+                             "it follows divided by average_every: are the replicas' step counts different?)")
+        self._behind.pop(sender, None)
         self._inbox.setdefault(round_, {})[sender] = flat.to(torch.float32)
         self._event(round_).set()
 
-    async def average(self, flat: torch.Tensor) -> torch.Tensor:
-        """One round: push ``flat`` to the replicas, wait for theirs, return the new parameters."""
-        round_ = self.rounds
+    async def average(self, flat: torch.Tensor, round_: int | None = None) -> torch.Tensor:
+        """Round ``round_`` (default: the next): push ``flat`` to the replicas, wait for theirs, return the new
+        parameters."""
+        round_ = self.rounds = self.rounds if round_ is None else max(round_, self.rounds)  # earlier ones are over
+        for stale in [r for r in self._inbox if r < round_]:  # pushes for rounds we skipped
+            self._inbox.pop(stale)
+            self._arrived.pop(stale, None)
         if self._anchor is None:
             self._anchor = flat.detach().to(torch.float32).clone()
         unreachable: set[str] = set()  # replicas our push could not reach: gone, so not waited for
@@ -71,7 +91,14 @@ class ReplicaAverager:
         pushes = [asyncio.ensure_future(push(peer)) for peer in self.replicas]
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
-        while len(self._inbox.get(round_, {}).keys() | unreachable) < len(self.replicas) and loop.time() < deadline:
+
+        def behind() -> set[str]:
+            return {peer for peer, excused in self._behind.items() if excused == round_}
+
+        def settled() -> set[str]:  # replicas whose parameters came, or that are gone, or behind this round
+            return self._inbox.get(round_, {}).keys() | unreachable | behind()
+
+        while len(settled()) < len(self.replicas) and loop.time() < deadline:
             event = self._event(round_)
             event.clear()
             try:
@@ -88,10 +115,10 @@ class ReplicaAverager:
         mean = total / len(members)
         missing = sorted(set(self.replicas) - set(received))
         if missing:
+            why = ("unreachable" if set(missing) <= unreachable else "behind: it pushed an earlier round"
+                   if set(missing) <= unreachable | behind() else f"none within {self.timeout:.0f} s")
             logger.warning("Run %r round %d: no parameters from %s (%s); averaged %d replica(s)", self.run_id, round_,
-                           ", ".join(f"{short_id(p)}" for p in missing),
-                           "unreachable" if set(missing) <= unreachable else f"none within {self.timeout:.0f} s",
-                           len(members))
+                           ", ".join(f"{short_id(p)}" for p in missing), why, len(members))
         new = self._outer_step(mean)
         self.rounds, self.last_group = round_ + 1, len(members)
         logger.info("Run %r: averaging round %d over %d replica(s)", self.run_id, round_, len(members))

@@ -27,7 +27,7 @@ from peers.core.finite import all_finite
 from peers.core.ids import safe_name
 from peers.core.trainers import TrainerPolicy
 from peers.model.blocks import StageBlocks
-from peers.server.averaging import ReplicaAverager, StreamFor
+from peers.server.averaging import ReplicaAverager, StreamFor, round_at
 from peers.training import GradientError, OptimConfig, StageTrainer
 from peers.training.state import read_state_info
 from peers.wire.errors import RequestError
@@ -351,9 +351,12 @@ class TrainingRPC:
             self.averager = None
             return
         if fresh or self.averager is None or self.averager.replicas != sorted(replicas):
+            # rounds are named by steps (``round_at``): a new averager's first round is the one after our step,
+            # the same as the other replicas' (they count steps from the run's too)
             self.averager = ReplicaAverager(self.info.peer_id, self.run_id, replicas, self.stream_for,
                                             outer_lr=request.outer_lr, outer_momentum=request.outer_momentum,
-                                            timeout=self.average_timeout, anchor=self.current_flat())
+                                            timeout=self.average_timeout, anchor=self.current_flat(),
+                                            first_round=round_at(self.trainer.step, self.average_every) + 1)
         logger.info("Run %r: averaging with %d replica(s) every %d step(s)", self.run_id, len(replicas),
                     self.average_every)
 
@@ -363,7 +366,7 @@ class TrainingRPC:
     async def _after_step(self, trainer: StageTrainer) -> None:
         if self.averager is not None and trainer.step % self.average_every == 0:
             flat = parameters_to_vector(list(self.blocks.parameters())).detach()
-            self.load_params(await self.averager.average(flat))
+            self.load_params(await self.averager.average(flat, round_at(trainer.step, self.average_every)))
         path = self._checkpoint_path()
         if path is not None and self.checkpoint_every and trainer.step % self.checkpoint_every == 0 and \
                 await self._compute(self._save, trainer, path):

@@ -96,6 +96,12 @@ def train_loop(trainer: SwarmTrainer, batches: TokenBatches, steps: int, *, cons
                 evals[trainer.steps_done] = held_out_loss(trainer, held_out, eval_rows)
                 progress.console.print(f"step {trainer.steps_done}: train loss {result.loss:.4f}, "
                                        f"held-out loss {evals[trainer.steps_done]:.4f}")
+    if hasattr(trainer, "settle"):
+        try:  # a stage that missed the last commit (its peer restarts) gets it replayed before the end
+            trainer.settle()
+        except Exception as e:
+            raise StepFailed(f"replaying step {trainer.steps_done} on a stage that missed its commit failed "
+                             f"({type(e).__name__}: {e})") from e
     if trainer.steps_done not in evals:
         evals[trainer.steps_done] = held_out_loss(trainer, held_out, eval_rows)
     console.print(f"held-out loss at step {trainer.steps_done}: {evals[trainer.steps_done]:.4f} "
@@ -110,4 +116,7 @@ def train_loop(trainer: SwarmTrainer, batches: TokenBatches, steps: int, *, cons
         "utilisation": {label: round(b / busy_seconds, 3) for label, b in zip(labels, busy, strict=True)}
         if busy_seconds else {},
         "stage_steps": stage_steps,
+        "steps_replayed": getattr(trainer, "replayed", 0),  # on a stage that missed a commit (its peer restarted)
+        "lost_steps": [{k: v for k, v in lost.items() if k != "message"}
+                       for lost in getattr(trainer, "lost_steps", [])],
     }

@@ -9,7 +9,10 @@ way at once, so the stages work concurrently (a stage runs its stream's requests
 A step is two-phase: the micro-batches only accumulate gradients on the stages; once all of them are back,
 ``train_apply`` tells every stage to apply its share, and a stage refuses if it holds fewer micro-batches
 than the trainer sent it. So a stage peer that dies mid-step costs a retry of that step on re-chosen stages
-(re-opening the run discards partial gradients everywhere), and a trainer that vanishes applies nothing.
+(re-opening the run discards partial gradients everywhere), and a trainer that vanishes applies nothing. A stage
+that dies between its last backward and the commit, after the others applied the step, gets the step replayed
+when it is back (``peers.trainer.replay``); while a span has no peer, the trainer waits for one (``pipeline_wait``
+seconds, saying so every few seconds), and a banned peer that answers again is taken back at once.
 
 Stages with several replicas (peers serving the same span) split each step's micro-batches in proportion to
 their speed; each replica takes a full AdamW step on its share, and every ``average_every`` steps the
@@ -42,14 +45,15 @@ from hivemind.p2p import P2PDaemonError, P2PHandlerError
 from peers.client.retry import backoff, classify
 from peers.client.swarm_client import SwarmClient
 from peers.model.local import default_position_ids
+from peers.trainer.pipeline import stage_groups
+from peers.trainer.replay import StageShare, StepRecord, recover
 from peers.training import OptimConfig, PartOptimizer, loss_of, unique_parameters
 from peers.wire.errors import RequestError
 from peers.wire.messages import TrainApply, TrainBackward, TrainForward, TrainOpen
 from privacy.errors import MembershipError
 from privacy.peer_ids import short_id
 from swarm.records import PeerRecord
-from swarm.routing import PrivateSwarmError, describe
-from swarm.stages import NoPipelineError, choose_stage_groups, spread
+from swarm.stages import spread
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +88,7 @@ class SwarmTrainer:
     def __init__(self, client: SwarmClient, optim: OptimConfig, accumulation: int, *, in_flight: int = 4,
                  run_id: str | None = None, keep_activations: bool = True, recompute: bool = False,
                  checkpoint_every: int = 0, average_every: int = 0, outer_lr: float = 1.0,
-                 outer_momentum: float = 0.0, rechoose_every: float = 30.0) -> None:
+                 outer_momentum: float = 0.0, rechoose_every: float = 30.0, pipeline_wait: float = 60.0) -> None:
         if accumulation < 1 or in_flight < 1:
             raise ValueError("accumulation and in_flight must be >= 1")
         if client.local_blocks is not None:
@@ -97,6 +101,13 @@ class SwarmTrainer:
         self.average_every = average_every  # replicas of a stage average their parameters every H local steps
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum  # DiLoCo outer Nesterov SGD (1, 0: mean)
         self.rechoose_every = rechoose_every  # seconds between looks for replicas that joined (0: never)
+        self.pipeline_wait = pipeline_wait  # seconds to wait for a span's peer to come back (e.g. a restart)
+        self.broken_since = 0.0  # time.monotonic() when a stage last failed, until a step commits everywhere again
+        self._span_steps: dict[tuple[int, int], int] = {}  # the step each span must be at (its replicas' best)
+        self._unapplied: dict[tuple[int, int], StageShare] = {}  # a span's last step, that no peer of it applied
+        self._record: StepRecord | None = None  # the step being run: each stage's inputs, outputs, gradients
+        self.replayed = 0  # steps replayed on a stage that missed their commit
+        self.lost_steps: list[dict] = []  # spans that came back behind the run (steps that could not be replayed)
         self._chosen_at = 0.0
         self._considered: set[str] = set()  # peers the last choice saw (used or left out)
         self.run_step = 0  # the run's optimizer steps: the most any stage reported
@@ -111,10 +122,17 @@ class SwarmTrainer:
         self.bytes_sent = 0  # hidden-state bytes sent to stages (before encryption overhead)
 
     # ---- synchronous API -------------------------------------------------------------------------
-    def start(self, wait: float = 5.0) -> list[PeerRecord]:
-        """Choose the pipeline (peers whose spans tile the blocks, waiting up to ``wait`` s for them) and open
-        the run on every stage; ``NoPipelineError`` if there is none by then."""
+    def start(self, wait: float | None = None) -> list[PeerRecord]:
+        """Choose the pipeline (peers whose spans tile the blocks, waiting up to ``wait`` s for them, default
+        ``pipeline_wait``) and open the run on every stage; ``NoPipelineError`` if there is none by then."""
         return self.client.loop.run(self.start_async(wait))
+
+    def settle(self) -> None:
+        """Replay a step that a stage has not applied yet (its peer is restarting), waiting up to
+        ``pipeline_wait`` for it; call before the end of a run. Nothing to do when every stage is in step."""
+        if self._unapplied:
+            self.stages = []
+            self.client.loop.run(self.start_async())
 
     def train_step(self, micro_batches: Sequence[torch.Tensor]) -> StepResult:
         """One optimizer step over ``accumulation`` micro-batches of token ids ``[b, T + 1]``."""
@@ -126,9 +144,9 @@ class SwarmTrainer:
             return loss_of(self.client.forward(input_ids), input_ids).item()
 
     # ---- async -------------------------------------------------------------------------------------
-    async def start_async(self, wait: float = 5.0, groups: list[list[PeerRecord]] | None = None
+    async def start_async(self, wait: float | None = None, groups: list[list[PeerRecord]] | None = None
                           ) -> list[PeerRecord]:
-        groups = groups or await self._stage_groups(wait)
+        groups = groups or await self._stage_groups(self.pipeline_wait if wait is None else wait)
         self._chosen_at, self._considered = time.monotonic(), {r.peer_id for group in groups for r in group}
         run_step = max(self.run_step, self.steps_done)
         self.replicas, self.assignment, self.shares = [], [], []
@@ -143,6 +161,7 @@ class SwarmTrainer:
         for group, shares in zip(self.replicas, self.shares, strict=True):  # 1. open the run everywhere as it is
             for record, share in zip(group, shares, strict=True):
                 steps[record.peer_id] = await self._open(record, share, [r.peer_id for r in group], 0)
+        await recover(self, steps)  # a span that missed the last commit replays it (or its lost steps are named)
         for group, shares in zip(self.replicas, self.shares, strict=True):  # 2. replicas behind catch up
             ahead = max(steps[r.peer_id] for r in group)
             ordered = sorted((r.peer_id for r in group), key=lambda p: -steps[p])  # most advanced first
@@ -200,37 +219,8 @@ class SwarmTrainer:
             await self.start_async(groups=current)
         self._considered |= considered | {r.peer_id for r in joiners}  # not joiners again (nor slow left-outs)
 
-    async def _stage_groups(self, grace: float = 5.0) -> list[list[PeerRecord]]:
-        """The stages to use now, without banned peers; a snapshot that lacks some (a DHT node just died, a
-        heartbeat is late) is retried for ``grace`` seconds before ``NoPipelineError`` is raised. If only banned
-        peers are missing, their bans are waited for up to the router's ``max_wait``, then the error names them;
-        sealed records (a private swarm we are no member of) raise ``PrivateSwarmError``."""
-        router, num_blocks, began = self.client.router, self.client.model_config.num_layers, time.monotonic()
-        while True:
-            snapshot, banned = await self.client._fetch(), router.banned()
-            try:
-                return choose_stage_groups([r for r in snapshot if r.peer_id not in banned], num_blocks)
-            except NoPipelineError as e:
-                waited = time.monotonic() - began
-                if waited >= grace:
-                    self._why_no_pipeline(e, snapshot, banned, waited)
-            await asyncio.sleep(0.5)
-
-    def _why_no_pipeline(self, error: NoPipelineError, snapshot: list[PeerRecord], banned: set[str],
-                         waited: float) -> None:
-        """Raise what stands in the way of a pipeline, unless it is bans that end within the router's wait."""
-        router = self.client.router
-        if not snapshot and getattr(snapshot, "sealed", 0):
-            raise PrivateSwarmError(self.client.model_name, snapshot.sealed) from error
-        try:
-            choose_stage_groups(snapshot, self.client.model_config.num_layers)  # with the banned peers
-        except NoPipelineError:
-            raise error from None
-        left_out = router.unavailable(r.peer_id for r in snapshot if r.peer_id in banned)
-        if left_out and waited + min(u.seconds_left for u in left_out) <= router.max_wait:
-            return  # their bans end soon: wait for them
-        raise NoPipelineError(f"{error}; with the peers banned after failures it would: {describe(left_out)}; they "
-                              f"are tried again when their bans end (check them with `swarm status`)") from None
+    async def _stage_groups(self, grace: float) -> list[list[PeerRecord]]:
+        return await stage_groups(self, grace, since=self.broken_since or None)
 
     async def train_step_async(self, micro_batches: Sequence[torch.Tensor]) -> StepResult:
         """Run the step's micro-batches (retried on another pipeline if a stage peer fails), then commit it."""
@@ -245,15 +235,20 @@ class SwarmTrainer:
                     await self._adopt_joiners()
                 stage_steps: list[int] = [0] * len(self.replicas)
                 stage_busy: list[float] = [0.0] * len(self.replicas)
+                self._record = StepRecord([(g[0].start, g[0].end) for g in self.replicas])
                 losses = await self._run_micro_batches(micro_batches, stage_steps, stage_busy)
                 break
             except StageFailure as failure:
                 self.part.zero_grad()  # the trainer's share of the failed attempt is discarded too
-                failures += 1
+                failures, self.broken_since = failures + 1, self.broken_since or time.monotonic()
                 self.client.router.on_failure(failure.peer_id, failure.error, started=failure.started)
-                if failures > self.client.config.max_retries:
-                    raise RuntimeError(f"step {self.steps_done} failed {failures} times (last: {failure}); check "
-                                       f"`swarm status` and that peers whose spans tile the model are up") from failure
+                # a lone stage's peer that restarts fails every try until it serves again: give up only after
+                # max_retries tries *and* pipeline_wait seconds
+                if failures > self.client.config.max_retries and \
+                        time.monotonic() - self.broken_since >= self.pipeline_wait:
+                    raise RuntimeError(f"step {self.steps_done} failed {failures} times in "
+                                       f"{time.monotonic() - self.broken_since:.0f} s (last: {failure}); check `swarm "
+                                       f"status` and that peers whose spans tile the model are up") from failure
                 logger.warning("Run %s: %s; re-choosing the stages and retrying step %d", self.run_id, failure,
                                self.steps_done)
                 await asyncio.sleep(backoff(failures))
@@ -261,6 +256,8 @@ class SwarmTrainer:
         await self._commit(stage_steps)
         self.part.step()
         self.steps_done += 1
+        if self.stages:  # every stage applied it: the run is whole again
+            self.broken_since = 0.0
         busy = [b / len(group) for b, group in zip(stage_busy, self.replicas, strict=True)]  # per replica
         return StepResult(sum(losses), sum(int(m[:, 1:].numel()) for m in micro_batches), stage_steps,
                           time.perf_counter() - started, busy, [s.peer_id for s in self.stages])
@@ -291,15 +288,30 @@ class SwarmTrainer:
                                        return_exceptions=True)
         if final := next((r for r in results if isinstance(r, MembershipError)), None):
             raise final  # we are no member (any more): no ban, no retry
+        applied: dict[int, int] = {}  # stage -> the most advanced step of its replicas that applied this one
         for (stage, peer_id, _), result in zip(calls, results, strict=True):
-            if isinstance(result, BaseException):  # its share of this step is lost; the others applied theirs
+            if isinstance(result, BaseException):  # the others applied theirs: this span catches up or replays
                 logger.warning("Run %s: peer %s did not apply step %d: %s", self.run_id, short_id(peer_id),
                                self.steps_done, result)
                 self.client.router.on_failure(peer_id, result, started=getattr(result, "started", None))
                 self.stages = []  # choose the stages again before the next step
+                self.broken_since = self.broken_since or time.monotonic()
             else:
+                applied[stage] = max(applied.get(stage, 0), result[0].step)
                 stage_steps[stage] = max(stage_steps[stage], result[0].step)
                 self.run_step = max(self.run_step, result[0].step)
+        record, self._record = self._record, None
+        for stage, group in enumerate(self.replicas):
+            span = (group[0].start, group[0].end)
+            if stage in applied:
+                self._span_steps[span] = applied[stage]
+                self._unapplied.pop(span, None)
+            elif record is not None:  # no peer of this span applied it: keep its share to replay it when it is back
+                share = record.stages[stage]
+                self._span_steps[span], self._unapplied[span] = share.step + 1, share
+                logger.warning("Run %s: no peer of blocks %d:%d applied step %d; it is replayed on them from the "
+                               "inputs and gradients kept here once their peer is back", self.run_id, *span,
+                               share.step)
 
     async def _call(self, peer_id: str, message, tensor: torch.Tensor | None):
         """One request to a stage; a broken stream or a timeout becomes ``StageFailure`` (retried elsewhere). A
@@ -335,16 +347,20 @@ class SwarmTrainer:
             self.bytes_sent += hidden.numel() * hidden.element_size()
             reply, hidden = await self._call(route[-1][0], TrainForward(run_id=self.run_id, micro_id=micro_id), hidden)
             stage_busy[stage] += reply.compute_ms / 1e3
+            if self._record is not None:  # kept until the commit, to replay the step on a stage that misses it
+                self._record.forward(stage, index, route[-1][0], inputs[-1], hidden)
         last = hidden.to(client.device, client.dtype).requires_grad_(True)
         loss = loss_of(client.head.head(last), input_ids) / self.accumulation
         grad, *head_grads = torch.autograd.grad(loss, [last, *self.part.params], allow_unused=True)
         for stage in reversed(range(len(self.replicas))):
             peer_id, scale = route[stage]
-            grad = grad * scale if scale != 1 else grad
+            unscaled, grad = grad, grad * scale if scale != 1 else grad
             payload = torch.stack([inputs[stage], grad]) if self.recompute else grad
             self.bytes_sent += payload.numel() * payload.element_size()
             message = TrainBackward(run_id=self.run_id, micro_id=micro_id, recompute=self.recompute)
             reply, grad = await self._call(peer_id, message, payload)
+            if self._record is not None:
+                self._record.backward(stage, index, unscaled, reply.step)
             grad = grad / scale if scale != 1 else grad
             stage_steps[stage] = max(stage_steps[stage], reply.step)
             stage_busy[stage] += reply.compute_ms / 1e3

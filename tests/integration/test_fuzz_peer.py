@@ -19,7 +19,7 @@ _spec.loader.exec_module(fuzz_peer)
 def result(tmp_path_factory) -> dict:
     torch.manual_seed(0)
     return fuzz_peer.run(tmp_path_factory.mktemp("fuzz_peer"), messages=300, batch=100, streams=8, seed=1,
-                         partial_frames=4)
+                         partial_frames=16)
 
 
 def test_peer_survives_fuzzed_messages(result):
@@ -33,7 +33,9 @@ def test_peer_survives_fuzzed_messages(result):
 
 
 @pytest.mark.skip(reason="open problem, for peers/framing.py: a frame's body has no deadline, so a stream that sends "
-                         "all but the last byte of a 4 MiB frame pins 4 MiB of the peer for as long as it stays open "
-                         "(~4 MiB of RSS per such stream, unbounded in their number); enable once bounded")
+                         "all but the last byte of a frame of the largest size pins that much of the peer's memory for "
+                         "as long as it stays open, and nothing bounds the number of such streams; enable once bounded")
 def test_unfinished_frames_do_not_pin_memory(result):
-    assert result["rss_partial_frames_held_mib"] - result["rss_start_mib"] < 8, result
+    pinned = result["partial_frames"] * fuzz_peer.MAX_FRAME / (1 << 20)
+    assert result["partial_frames_closed_by_peer"] == result["partial_frames"] or \
+        result["rss_partial_frames_held_mib"] - result["rss_start_mib"] < pinned / 2, result

@@ -167,7 +167,7 @@ def test_finding_06_a_session_refused_by_every_peer_names_them_all(clock):
 
 def test_finding_06_training_names_the_banned_peers_a_pipeline_needs(clock):
     """Not just "the online peers' spans do not tile": which banned peers would make the pipeline, and until when."""
-    from peers.trainer.swarm_trainer import SwarmTrainer
+    from peers.trainer.pipeline import why_no_pipeline
     from swarm.stages import NoPipelineError
 
     r = router(max_wait=10.0)
@@ -179,10 +179,10 @@ def test_finding_06_training_names_the_banned_peers_a_pipeline_needs(clock):
     snapshot = Snapshot([rec("A", 0, 4), rec("B", 4, 8)])
     banned_b = r"do not tile blocks 0:8; .*\.\.\.BBBBBB banned until .*closed the stream"
     with pytest.raises(NoPipelineError, match=banned_b):
-        SwarmTrainer._why_no_pipeline(trainer, NoPipelineError("the online peers' spans (0:4) do not tile blocks 0:8"),
-                                      snapshot, {pid("B")}, 5.0)
+        why_no_pipeline(trainer, NoPipelineError("the online peers' spans (0:4) do not tile blocks 0:8"),
+                        snapshot, {pid("B")}, 5.0)
     r.on_success(pid("B"))
     r.on_failure(pid("B"))  # 2 s: the trainer waits for it instead
-    SwarmTrainer._why_no_pipeline(trainer, NoPipelineError("no tiling"), snapshot, {pid("B")}, 5.0)
+    why_no_pipeline(trainer, NoPipelineError("no tiling"), snapshot, {pid("B")}, 5.0)
     with pytest.raises(PrivateSwarmError):
-        SwarmTrainer._why_no_pipeline(trainer, NoPipelineError("no tiling"), Snapshot([], 2), set(), 5.0)
+        why_no_pipeline(trainer, NoPipelineError("no tiling"), Snapshot([], 2), set(), 5.0)

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from peers.server.averaging import ReplicaAverager
+from peers.server.averaging import ReplicaAverager, round_at
 
 A, B = "12D3KooWAAAAAAAA", "12D3KooWBBBBBBBB"
 
@@ -122,3 +122,27 @@ def test_bad_pushes_are_refused(sender, flat, message):
     averager = ReplicaAverager(A, "run", [B], lambda peer: _never(), timeout=1)
     with pytest.raises(ValueError, match=message):
         averager.receive(sender, 0, flat, 2)
+
+
+def test_finding_chaos_replicas_whose_rounds_differ_do_not_wait_out_the_timeout_for_each_other():
+    """A rejoining replica's averager is new; rounds are named by steps (``round_at``), so it starts at the run's
+    round. Should two replicas still disagree (B pushes round 0 while A is at round 3), A refuses B's push as over
+    and does not wait for B, and B, refused, does not wait for A: no one waits out the 600 s timeout."""
+    averagers: dict[str, ReplicaAverager] = {}
+
+    def stream_for(sender: str):
+        async def get(peer: str):
+            return _Direct(sender, averagers[peer], 2)
+        return get
+
+    averagers[A] = ReplicaAverager(A, "run", [B], stream_for(A), timeout=600, first_round=round_at(12, 4))
+    averagers[B] = ReplicaAverager(B, "run", [A], stream_for(B), timeout=600)
+    x, y = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])
+
+    async def misaligned():
+        return await asyncio.wait_for(asyncio.gather(averagers[A].average(x, round_at(12, 4)),
+                                                     averagers[B].average(y, 0)), 60)
+
+    new_a, new_b = asyncio.run(misaligned())
+    assert torch.equal(new_a, x) and torch.equal(new_b, y)  # each averaged alone, at once
+    assert averagers[A].rounds == 4 and averagers[B].rounds == 1
