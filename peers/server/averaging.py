@@ -28,6 +28,8 @@ from privacy.peer_ids import short_id
 
 logger = logging.getLogger(__name__)
 
+MAX_ROUNDS_AHEAD = 2  # pushes for rounds further ahead of ours are refused (a replica cannot fill our memory)
+
 StreamFor = Callable[[str], Awaitable]  # peer id -> an open PeerStream to it
 
 
@@ -68,6 +70,9 @@ class ReplicaAverager:
                 event.set()
             raise ValueError(f"round {round_} is over (this replica is at round {self.rounds}; a round is the step "
                              "it follows divided by average_every: are the replicas' step counts different?)")
+        if round_ > self.rounds + MAX_ROUNDS_AHEAD:  # each round held costs a copy of the parameters
+            raise ValueError(f"round {round_} is too far ahead (this replica is at round {self.rounds}; at most "
+                             f"{MAX_ROUNDS_AHEAD} ahead are kept)")
         self._behind.pop(sender, None)
         self._inbox.setdefault(round_, {})[sender] = flat.to(torch.float32)
         self._event(round_).set()

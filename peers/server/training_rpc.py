@@ -88,10 +88,9 @@ class TrainingRPC:
                                f"{self.info.end}, not {request.start}:{request.end}")
         if self.owner is not None and self.owner is not stream and self.run_id != request.run_id:
             raise RequestError(f"this peer is training run {self.run_id!r} for another trainer; pick another peer")
-        if not 1 <= request.accumulation <= 1 << 16 or request.checkpoint_every < 0 or request.run_step < 0:
-            raise RequestError("accumulation must be in 1..65536, checkpoint_every and run_step >= 0")
-        if not all(isinstance(p, str) for p in request.replicas):
-            raise RequestError("replicas must be peer ids (strings)")
+        if not 1 <= request.accumulation <= 1 << 16 or min(request.checkpoint_every, request.run_step,
+                                                            request.average_every) < 0:
+            raise RequestError("accumulation must be in 1..65536, checkpoint_every, run_step and average_every >= 0")
         if request.average_every and request.replicas and self.stream_for is None:
             raise RequestError("this peer cannot reach other peers to average with its replicas")
         try:

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from peers.server.averaging import ReplicaAverager, round_at
+from peers.server.averaging import MAX_ROUNDS_AHEAD, ReplicaAverager, round_at
 
 A, B = "12D3KooWAAAAAAAA", "12D3KooWBBBBBBBB"
 
@@ -122,6 +122,15 @@ def test_bad_pushes_are_refused(sender, flat, message):
     averager = ReplicaAverager(A, "run", [B], lambda peer: _never(), timeout=1)
     with pytest.raises(ValueError, match=message):
         averager.receive(sender, 0, flat, 2)
+
+
+def test_pushes_far_ahead_are_refused_so_a_replica_cannot_fill_memory():
+    averager = ReplicaAverager(A, "run", [B], lambda peer: _never(), timeout=1)
+    for round_ in range(MAX_ROUNDS_AHEAD + 1):
+        averager.receive(B, round_, torch.zeros(2), 2)
+    with pytest.raises(ValueError, match="too far ahead"):
+        averager.receive(B, MAX_ROUNDS_AHEAD + 1, torch.zeros(2), 2)
+    assert len(averager._inbox) == MAX_ROUNDS_AHEAD + 1
 
 
 def test_finding_chaos_replicas_whose_rounds_differ_do_not_wait_out_the_timeout_for_each_other():

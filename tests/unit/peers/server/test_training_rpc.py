@@ -4,6 +4,7 @@ Checkpoints never overwrite a newer step; a step that would make weights non-fin
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,8 @@ def test_a_replica_joins_at_the_run_step_and_a_lone_stage_keeps_its_count(model_
     assert _run(joiner, _open(9, [OTHER, ME]), stream) == 9  # a re-opened run catches up too
     with pytest.raises(RequestError, match="run_step"):
         _run(joiner, _open(-1, [ME, OTHER]), stream)
+    with pytest.raises(RequestError, match="average_every"):
+        _run(joiner, dataclasses.replace(_open(9, [ME, OTHER]), average_every=-2), stream)
     joiner.shutdown()
     lone.shutdown()
 
