@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 from chaos import Chaos, LogTap, progress_bar, public_events, scan_peer_logs
@@ -158,8 +159,9 @@ def run_train(args, workdir: Path) -> dict:
         until = kills[i + 1]["_t"] if i + 1 < len(kills) else float("inf")
         during = [g for g, end in zip(gaps, commits[1:], strict=True) if kill["_t"] < end <= until]
         kill["stall_s"] = round(max(during, default=median_gap) - median_gap, 2)
+    lone = {span for span, n in Counter(slot.span for slot in chaos.slots).items() if n == 1}
     for kill in kills:  # a lone stage's stall: its restart, then how long the run took to use it again
-        if "serving_again_after_s" in kill:
+        if "serving_again_after_s" in kill and kill["span"] in lone:
             serving = kill["_t"] + kill["serving_again_after_s"]
             resumed = next((end for end in commits if end > serving), None)
             kill["peer_startup_s"] = round(kill["serving_again_after_s"] - args.restart_after, 2)
