@@ -39,11 +39,12 @@ after the end are cancelled and counted as failed.
 **train**: 3 stages (blocks 0:2, 2:4, 4:6 of a 6-block model; ``--train_replicas R`` adds R replicas of 2:4,
 averaged every ``--average_every`` steps), every peer with ``--checkpoint_dir`` and ``--trainers`` naming the
 trainer's peer id (``LocalSwarm(train=True)``: training is opt-in for peers); ``SwarmTrainer`` as ``swarm
-train`` sets it up (``checkpoint_every`` 1 by default, request timeout 60 s, rechoose_every 30 s) runs
-``--steps`` steps of 4 micro-batches of 4 x 64 tokens, 4 in flight. After each step in ``--kill_steps``, half a
-median step later (so mid-step) one stage peer is SIGKILLed; the victims, in turn: the 2:4 peer, the 4:6 peer,
-2:4's replicas if any, the 0:2 peer. A step that raises (e.g.
-``NoPipelineError`` while a lone stage is down: ``swarm train`` would stop there, and say so) is retried here
+train`` sets it up (``checkpoint_every`` 1 by default, request timeout 60 s, rechoose_every 30 s, waiting up
+to 60 s for a span's peer) runs ``--steps`` steps of 4 micro-batches of 4 x 64 tokens, 4 in flight. During the step
+after each step in ``--kill_steps`` one stage peer is SIGKILLed, alternately half a median step in (mid-step) and
+after the step's last backward, before its commit (``phase``); the victims, in turn: the 2:4 peer, the 4:6 peer,
+2:4's replicas if any, the 0:2 peer. A step that raises (e.g. ``NoPipelineError`` when a lone stage stays down
+longer than that: ``swarm train`` would stop there, and say so) is retried here
 with the same micro-batches after 1 s, for up to 180 s, and counted in ``trainer_errors``. *Stall* of a kill:
 the longest gap between consecutive committed steps, among the steps committed from the kill to the next kill,
 minus the median gap. *Steps lost*: each peer's step count (its checkpoint's) against the trainer's at the end

@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 from chaos import Chaos, LogTap, progress_bar, public_events, scan_peer_logs
@@ -24,7 +25,11 @@ SEQ_LEN, MICRO_BATCH, ACCUMULATION, IN_FLIGHT = 64, 4, 4, 4
 EVAL_WINDOWS, EVAL_ROWS = 32, 8
 RUN_ID, SEED = "chaos", 0
 GIVE_UP = 180.0  # seconds one step may keep failing before the run is abandoned
-REQUEST_TIMEOUT, RECHOOSE_EVERY = 60.0, 30.0  # `swarm train`'s defaults
+REQUEST_TIMEOUT, RECHOOSE_EVERY, WAIT_PEERS = 60.0, 30.0, 60.0  # `swarm train`'s defaults (--wait_peers)
+
+
+# when, within the step after a kill step, the victim dies: kills alternate between these
+PHASES = ("mid-step", "before its commit")
 
 
 def optim_config(steps: int) -> OptimConfig:
@@ -46,6 +51,20 @@ def reference(model_dir: Path, steps: int) -> tuple[list[float], float]:
         total += trainer.evaluate(chunk) * len(chunk)
         count += len(chunk)
     return losses, total / count
+
+
+def kill_before_commits(trainer: SwarmTrainer, chaos: Chaos, armed: dict) -> None:
+    """When ``armed`` holds a victim, SIGKILL it after the step's last backward and before its ``train_apply``:
+    the window in which a lone stage's death used to leave a step half-applied."""
+    commit = trainer._commit
+
+    async def kill_then_commit(stage_steps):
+        if (victim := armed.pop("victim", None)) is not None:
+            chaos.kill(victim, **armed.pop("info"))
+            victim.proc.popen.wait(10)
+        await commit(stage_steps)
+
+    trainer._commit = kill_then_commit
 
 
 def run_train(args, workdir: Path) -> dict:
@@ -78,8 +97,10 @@ def run_train(args, workdir: Path) -> dict:
                     trainer = SwarmTrainer(client, optim_config(steps), ACCUMULATION, in_flight=IN_FLIGHT,
                                            run_id=RUN_ID, checkpoint_every=args.checkpoint_every,
                                            average_every=args.average_every if args.train_replicas else 0,
-                                           rechoose_every=RECHOOSE_EVERY)
+                                           rechoose_every=RECHOOSE_EVERY, pipeline_wait=WAIT_PEERS)
                     trainer.start(wait=60)
+                    armed: dict = {}
+                    kill_before_commits(trainer, chaos, armed)
                     data = batches()
                     held = data.held_out_windows(EVAL_WINDOWS)
                     loss_before = held_out_loss(trainer, held, EVAL_ROWS)
@@ -106,12 +127,16 @@ def run_train(args, workdir: Path) -> dict:
                         if step in kill_steps:
                             gaps = [b - a for a, b in zip(commits[1:], commits[2:], strict=False)] or [0.2]
                             victim = order[kill_steps.index(step) % len(order)]
-                            timer = threading.Timer(statistics.median(gaps) / 2, chaos.kill, (victim,),
-                                                    {"after_step": step})
-                            timer.daemon = True
-                            timer.start()
+                            info = {"after_step": step, "phase": PHASES[kill_steps.index(step) % len(PHASES)]}
+                            if info["phase"] == "before its commit":
+                                armed.update(victim=victim, info=info)
+                            else:
+                                timer = threading.Timer(statistics.median(gaps) / 2, chaos.kill, (victim,), info)
+                                timer.daemon = True
+                                timer.start()
                         progress.update(task, completed=step, description=(
                             f"chaos: loss {result.loss:.3f}, {len(chaos.events)} kills, {len(errors)} errors"))
+                    trainer.settle()  # as `swarm train` does at the end: a stage that missed a commit replays it
                     loss_after = held_out_loss(trainer, held, EVAL_ROWS) if abandoned is None else None
                     stage_steps, steps_done = list(last.stage_steps) if last else [], trainer.steps_done
                     pipeline = [[f"{r.start}:{r.end}@...{r.peer_id[-6:]}" for r in g] for g in trainer.replicas]
@@ -134,6 +159,13 @@ def run_train(args, workdir: Path) -> dict:
         until = kills[i + 1]["_t"] if i + 1 < len(kills) else float("inf")
         during = [g for g, end in zip(gaps, commits[1:], strict=True) if kill["_t"] < end <= until]
         kill["stall_s"] = round(max(during, default=median_gap) - median_gap, 2)
+    lone = {span for span, n in Counter(slot.span for slot in chaos.slots).items() if n == 1}
+    for kill in kills:  # a lone stage's stall: its restart, then how long the run took to use it again
+        if "serving_again_after_s" in kill and kill["span"] in lone:
+            serving = kill["_t"] + kill["serving_again_after_s"]
+            resumed = next((end for end in commits if end > serving), None)
+            kill["peer_startup_s"] = round(kill["serving_again_after_s"] - args.restart_after, 2)
+            kill["first_commit_after_it_served_s"] = round(resumed - serving, 2) if resumed else None
     stalls = [k["stall_s"] for k in kills]
     in_pipeline = {slot.name for slot in chaos.slots if slot.peer_id in in_run}
     behind = {name: steps_done - s for name, s in peer_steps.items() if s is not None and name in in_pipeline}
@@ -149,6 +181,8 @@ def run_train(args, workdir: Path) -> dict:
         "peer_checkpoint_steps": peer_steps,
         "peers_left_out_of_the_run_at_end": sorted(set(peer_steps) - in_pipeline),
         "steps_lost": max(behind.values(), default=None), "steps_redone": redone,
+        "steps_replayed_on_a_restarted_stage": trainer.replayed,
+        "lost_steps_reported": [{k: v for k, v in lost.items() if k != "message"} for lost in trainer.lost_steps],
         "trainer_errors": len(errors), "swarm_train_would_have_stopped": bool(errors),
         "trainer_error_samples": errors[:6], "pipeline_at_end": pipeline,
         "held_out_loss": {"before": round(loss_before, 5), "after": loss_after},
@@ -167,6 +201,7 @@ def run_train(args, workdir: Path) -> dict:
         out["one_process_without_kills"] = "not comparable: replicas split each step's micro-batches" \
             if args.train_replicas else f"not compared: the run was abandoned at step {abandoned}"
     out["targets"] = {"stall <= 10 s": bool(stalls) and max(stalls) <= 10.0,
-                      "no committed step lost (peers' steps = trainer's)": out["steps_lost"] == 0,
+                      "no committed step lost (peers' steps = trainer's)": out["steps_lost"] == 0
+                      and not trainer.lost_steps,
                       "no step redone": redone == 0}
     return out

@@ -42,7 +42,8 @@ async def stage_groups(trainer: Trainer, grace: float, since: float | None = Non
     client = trainer.client
     router, num_blocks = client.router, client.model_config.num_layers
     began = time.monotonic() if since is None else since
-    noticed, probed = -NOTICE_EVERY, 0.0
+    so_far = time.monotonic() - began  # a retry after a failure goes on with the same wait (and its notices)
+    noticed, probed = (so_far // NOTICE_EVERY * NOTICE_EVERY if so_far >= 1.0 else -NOTICE_EVERY), 0.0
     while True:
         snapshot, banned = await client._fetch(), router.banned()
         try:
