@@ -1,4 +1,4 @@
-"""``peers.trainer_pipeline``: a banned peer without which there is no pipeline is tried again while the trainer
+"""``peers.trainer.pipeline``: a banned peer without which there is no pipeline is tried again while the trainer
 waits, and taken back once it answers (a lone stage's peer restarted under its identity while its ban runs)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-import peers.trainer_pipeline as pipeline
+import peers.trainer.pipeline as pipeline
 from swarm.discovery import Snapshot
 from swarm.records import PeerRecord, PeerState
 from swarm.routing import Router
