@@ -31,10 +31,7 @@ def write_private(path: str | Path, data: bytes, *, what: str, overwrite: bool =
         try:
             if hasattr(os, "fchmod"):
                 os.fchmod(fd, 0o600)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
+            _write_all(fd, data)
         finally:
             os.close(fd)
         if overwrite:
@@ -66,10 +63,7 @@ def append_private(path: str | Path, data: bytes, *, what: str) -> Path:
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
         _tighten(fd, path, what)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
+        _write_all(fd, data)
     finally:
         os.close(fd)
     return path
@@ -111,3 +105,11 @@ def read_private(path: str | Path, *, what: str) -> bytes:
             f"run `chmod 600 {path}` if it was not exposed, otherwise create a new one"
         )
     return path.read_bytes()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """All of ``data`` to ``fd``, then to disk."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.fsync(fd)

@@ -8,7 +8,6 @@ from types import SimpleNamespace
 
 import pytest
 
-import swarm.routing as routing
 from swarm.discovery import Snapshot
 from swarm.records import PeerRecord, PeerState
 from swarm.routing import Hop, MissingBlocksError, NoRouteError, PeersUnavailableError, PrivateSwarmError, Router
@@ -29,19 +28,6 @@ def fixed(*records: PeerRecord, sealed: int = 0):
     return fetch
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock(monkeypatch) -> FakeClock:
-    fake = FakeClock()
-    monkeypatch.setattr(routing, "time", SimpleNamespace(monotonic=fake))
-    return fake
 
 
 def router(fetch=None, **kwargs) -> Router:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
-from types import SimpleNamespace
 
 import pytest
 
@@ -145,20 +144,6 @@ def test_missing_blocks_error_shortens_long_lists():
     assert "--block_indices 0:40" in str(err)
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock(monkeypatch) -> FakeClock:
-    """Replace the clock of swarm.routing only (not the global time module)."""
-    fake = FakeClock()
-    monkeypatch.setattr(routing, "time", SimpleNamespace(monotonic=fake))
-    return fake
 
 
 class FakeFetch:
