@@ -31,7 +31,7 @@ class StreamState:
     hello_seen: bool = False
     member: Certificate | None = None  # what admission returned for the stream's hello
     channel: SecureChannel | None = None
-    heartbeat: bool = False  # the client asked for heartbeats while we work on its requests
+    heartbeat: asyncio.Event = field(default_factory=asyncio.Event)  # set once the client's hello asked for them
     busy: bool = False  # a request is being handled
     owned: dict[str, Session] = field(default_factory=dict)  # the inference sessions opened on this stream
 

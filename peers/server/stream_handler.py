@@ -109,11 +109,10 @@ class StreamHandler(StreamCalls):
                 self.open_streams[caller] = left
             heartbeat.cancel()
             requests.close()
-            end = requests.end.error if requests.end is not None else ""
-            if end and "broke the framing" in end:
-                logger.warning("Closing %s", end)
+            if requests.end is not None and requests.end.broken_framing:
+                logger.warning("Closing %s", requests.end.error)
                 with contextlib.suppress(ConnectionError, OSError):
-                    await out.send(encode(RPCError(message=end), ERROR))
+                    await out.send(encode(RPCError(message=requests.end.error), ERROR))
             out.close()
 
     def _too_many_streams(self, caller: str) -> str:
@@ -128,10 +127,10 @@ class StreamHandler(StreamCalls):
     async def _heartbeat(self, stream: StreamState, requests: IncomingFrames, out: FrameWriter) -> None:
         """While the stream has work in hand, tell a client that asked (its hello) that we are alive."""
         loop = asyncio.get_running_loop()
+        await stream.heartbeat.wait()  # streams whose hello did not ask cost no wake-ups
         while True:
             await asyncio.sleep(HEARTBEAT_PERIOD / 2)
-            if stream.heartbeat and (stream.busy or requests.queued) and \
-                    loop.time() - out.last_write >= HEARTBEAT_PERIOD:
+            if (stream.busy or requests.queued) and loop.time() - out.last_write >= HEARTBEAT_PERIOD:
                 try:
                     await out.send(HEARTBEAT_FRAME)
                 except (ConnectionError, OSError):
@@ -205,7 +204,8 @@ class StreamHandler(StreamCalls):
             logger.info("rpc_inference(peer=%s) not admitted: %s", short_id(caller), e)
             return reply(error=f"not admitted: {e}")
         stream.admitted = True
-        stream.heartbeat = request.heartbeat
+        if request.heartbeat:
+            stream.heartbeat.set()
         period = HEARTBEAT_PERIOD if request.heartbeat else 0.0
         if not request.hello:
             return runtime_pb2.ExpertResponse(metadata=InferenceReply(heartbeat=period).to_bytes())

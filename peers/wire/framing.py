@@ -98,9 +98,11 @@ class FrameWriter:
 
 @dataclass(frozen=True)
 class StreamEnd:
-    """What ended an ``IncomingFrames``: ``error`` is empty for a clean end (EOF or the sender's end marker)."""
+    """What ended an ``IncomingFrames``: ``error`` is empty for a clean end (EOF or the sender's end marker);
+    ``broken_framing``: our side refused the bytes (the sender should be told why)."""
 
     error: str = ""
+    broken_framing: bool = False
 
 
 _END = object()
@@ -162,7 +164,7 @@ class IncomingFrames(Generic[P]):
         except asyncio.IncompleteReadError:
             self.end = StreamEnd(f"{self.name} ended inside a frame")
         except FrameError as e:
-            self.end = StreamEnd(f"{self.name} broke the framing: {e}")
+            self.end = StreamEnd(f"{self.name} broke the framing: {e}", broken_framing=True)
         except (ConnectionError, OSError) as e:
             self.end = StreamEnd(f"{self.name} broke: {e!r}")
         except asyncio.CancelledError:
