@@ -7,6 +7,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from hivemind.dht.node import DHTNode
@@ -19,14 +20,23 @@ from privacy.identity import Identity
 from privacy.peer_ids import libp2p_private_key, peer_id_of
 from swarm import safe_msgpack
 from swarm.keys import peers_key
+from swarm.nat import NatOptions, SwarmP2P, circuit_addrs
+from swarm.reachability import (
+    DialBackService,
+    Reachability,
+    check_reachability,
+    peer_ids_of,
+    unreachable_message,
+)
 from swarm.records import PeerRecord
 from swarm.startup_checks import IdentityClaim, StartupRefused, check_identity_offline, check_ports_free
 
-__all__ = ["StartupRefused", "SwarmNode", "announce", "fetch_records", "start_node", "visible_maddrs"]
+__all__ = ["NatOptions", "StartupRefused", "SwarmNode", "announce", "fetch_records", "start_node", "visible_maddrs"]
 
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT = 3.0  # seconds the daemon gets to unregister our handlers when the node stops
+RELAY_WAIT = 30.0  # seconds a node behind NAT waits for a relay to carry a dial-back to it
 
 
 async def announce(node: DHTNode, record: PeerRecord, ttl: float) -> bool:
@@ -84,14 +94,20 @@ async def fetch_records(node: DHTNode, model: str) -> Snapshot:
 
 
 class SwarmNode(DHTNode):
-    """A ``DHTNode`` that holds its identity file's :class:`IdentityClaim` until it shuts down."""
+    """A ``DHTNode`` that holds its identity file's :class:`IdentityClaim` until it shuts down, answers others'
+    reachability checks unless it is a client, and knows how reachable it is itself."""
 
     identity_claim: IdentityClaim | None = None
+    dial_back: DialBackService | None = None
+    reachability: Reachability | None = None  # what the helpers answered, if the node checked
+    relayed: bool = False  # reachable only through relays (then a DHT client, announcing relayed addresses)
 
     async def shutdown(self) -> None:
         """Stop the node and its daemon; a daemon that died first (Ctrl-C reaches it too) is not waited for."""
         self.is_alive = False
         try:
+            if self.dial_back is not None:
+                await self.dial_back.detach()
             try:  # unregisters our handlers from the daemon, whose answer never comes if it is gone
                 await asyncio.wait_for(self.protocol.shutdown(), SHUTDOWN_TIMEOUT)
             except Exception as e:
@@ -123,7 +139,9 @@ async def start_node(
     client_mode: bool = False,
     wait_timeout: float = 5.0,
     record_validator: RecordValidatorBase | None = None,
-) -> DHTNode:
+    nat: NatOptions | None = None,
+    check_reachability: bool = False,
+) -> SwarmNode:
     """Start a DHT node with its own p2p daemon, joined to ``initial_peers`` (none: a new swarm).
 
     The node's peer id is the public key of its Ed25519 identity: ``identity`` if given (already loaded by the
@@ -135,7 +153,17 @@ async def start_node(
     Refuses to start (:class:`StartupRefused`) when a fixed port of ``host_maddrs`` is taken, and, with
     ``identity_path``, when another node on this machine runs with that file (it stays locked until
     ``shutdown``) or a node with this peer id is already reachable through ``initial_peers``.
+
+    ``nat`` has the relay options (default: relays on, no auto-relay; a client never takes relay slots). With
+    ``check_reachability`` (stage peers), a node that joins a swarm asks its initial peers to dial it back
+    (``swarm.reachability``) unless ``nat.force_reachability`` is set: a node they cannot dial restarts behind
+    its relays (auto-relay; a DHT client announcing relayed addresses, checked through a relay) or, with relays
+    off, is refused with what to do; ``force_reachability="private"`` goes behind the relays without the direct
+    check. Every node that is not a client answers others' checks.
     """
+    nat = nat or NatOptions()
+    if client_mode:
+        nat = nat.for_client()
     safe_msgpack.install()  # else one DHT message of ~200 nested tuples segfaults this process
     check_ports_free(host_maddrs)
     claim = None
@@ -146,8 +174,18 @@ async def start_node(
     try:
         if claim is not None and initial_peers:
             await check_identity_offline(peer_id_of(identity.public_bytes), identity_path, initial_peers)
-        node = await _create_node(initial_peers, host_maddrs, announce_maddrs, identity, client_mode, wait_timeout,
-                                  record_validator)
+        create = dict(initial_peers=initial_peers, host_maddrs=host_maddrs, identity=identity,
+                      wait_timeout=wait_timeout, record_validator=record_validator)
+        checked = check_reachability and bool(initial_peers) and not client_mode
+        if checked and nat.force_reachability == "private" and nat.use_relay and nat.use_auto_relay:
+            node = await _start_relayed(create, nat, None)  # known to be behind NAT: straight to the relays
+        else:
+            node = await _create_node(**create, announce_maddrs=announce_maddrs, client_mode=client_mode, nat=nat)
+            if checked and nat.force_reachability is None:
+                node = await _ensure_reachable(node, create, nat)
+        if not client_mode and not node.relayed:
+            node.dial_back = DialBackService(node.p2p)
+            await node.dial_back.attach()
     except BaseException:
         if claim is not None:
             claim.release()
@@ -156,9 +194,72 @@ async def start_node(
     return node
 
 
-async def _create_node(initial_peers: Sequence[str], host_maddrs: Sequence[str], announce_maddrs: Sequence[str],
+async def _ensure_reachable(node: SwarmNode, create: dict, nat: NatOptions) -> SwarmNode:
+    """Check that the initial peers can dial ``node``; if not, restart it behind relays or refuse to start."""
+    try:
+        addrs = await visible_maddrs(node)
+        report = await check_reachability(node.p2p, peer_ids_of(create["initial_peers"]), addrs)
+        node.reachability = report
+        if report.direct is None:
+            logger.warning("Could not check whether other peers can dial this one (no initial peer answered: old "
+                           "versions, or busy); starting anyway. If clients cannot reach it, see --force_reachability "
+                           "private (serve through relays)")
+            return node
+        if report.direct:
+            logger.info("Reachable directly at %s (checked by %d peer(s))", " ".join(addrs), len(report.answers))
+            return node
+        if not (nat.use_relay and nat.use_auto_relay):
+            raise StartupRefused(unreachable_message(report))
+    except BaseException:
+        await node.shutdown()
+        raise
+    logger.info("Not reachable directly:\n  %s\nRestarting behind relays", report.describe())
+    await node.shutdown()
+    return await _start_relayed(create, nat, report)
+
+
+async def _start_relayed(create: dict, nat: NatOptions, direct: Reachability | None) -> SwarmNode:
+    """A node behind its relays: forced private (slots reserved at once), a DHT client, announcing relayed
+    addresses, and checked: a relay must dial it through itself."""
+    relays = nat.trusted_relays(create["initial_peers"])
+    node = await _create_node(**create, announce_maddrs=circuit_addrs(relays), client_mode=True,
+                              nat=replace(nat, force_reachability="private"))
+    try:
+        node.relayed, node.reachability = True, direct
+        await _check_relayed(node, relays, direct)
+    except BaseException:
+        await node.shutdown()
+        raise
+    return node
+
+
+async def _check_relayed(node: SwarmNode, relays: Sequence[str], direct: Reachability | None) -> None:
+    """Wait until one of ``relays`` dials ``node`` through itself (its slot there is reserved), or refuse."""
+    loop = asyncio.get_running_loop()
+    deadline, pause = loop.time() + RELAY_WAIT, 0.5
+    while True:
+        await asyncio.sleep(pause)  # the daemon reserves its slots right after it starts
+        pause = min(2 * pause, 8.0)  # each try is one of the relay's few checks per minute for us
+        addrs = await visible_maddrs(node)
+        report = await check_reachability(node.p2p, peer_ids_of(relays), (), relayed=True)
+        if report.relayed:
+            used = [a.helper for a in report.answers if a.relayed and a.relayed.ok]
+            logger.info("Not reachable directly: serving through relay(s) (%s dialled this peer through itself); "
+                        "announced addresses: %s", " ".join(used), " ".join(addrs))
+            return
+        if loop.time() > deadline:
+            before = direct.describe() if direct else "(the direct check was skipped: --force_reachability private)"
+            raise StartupRefused(
+                f"this peer is not reachable directly, and no relay carried a dial-back to it within "
+                f"{RELAY_WAIT:.0f} s:\n  {before}\n  {report.describe()}\nCheck that the relays "
+                f"({' '.join(relays)}) run `swarm dht` (they relay by default) or name others with --relays; or "
+                f"forward a TCP port to this machine and pass --host_maddrs /ip4/0.0.0.0/tcp/PORT "
+                f"--announce_maddrs /ip4/YOUR_PUBLIC_IP/tcp/PORT")
+
+
+async def _create_node(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], announce_maddrs: Sequence[str],
                        identity: Identity | None, client_mode: bool, wait_timeout: float,
-                       record_validator: RecordValidatorBase | None) -> SwarmNode:
+                       record_validator: RecordValidatorBase | None, nat: NatOptions) -> SwarmNode:
     with tempfile.TemporaryDirectory(prefix="fusionswarm-id-") as tmp:
         options = {}
         if identity is not None:  # the daemon reads the key once at start; the file goes with the folder
@@ -167,22 +268,37 @@ async def _create_node(initial_peers: Sequence[str], host_maddrs: Sequence[str],
             # hivemind's "is this identity already online" probe reads only RSA keys: start_node does its own
             options.update(identity_path=key_path, check_if_identity_free=False)
         try:
-            return await SwarmNode.create(
+            p2p = await SwarmP2P.create_with(
+                nat.daemon_flags(initial_peers),
                 initial_peers=list(initial_peers),
                 host_maddrs=list(host_maddrs),
                 announce_maddrs=list(announce_maddrs) or None,
-                client_mode=client_mode,
-                wait_timeout=wait_timeout,
-                record_validator=record_validator,
+                dht_mode="client" if client_mode else "server",
+                **nat.create_kwargs(initial_peers),
                 **options,
             )
         except Exception as e:
-            hint = (
-                "check that the --initial_peers line is complete and that the bootstrap peer is running"
-                if initial_peers
-                else "check --host_maddrs (e.g. /ip4/127.0.0.1/tcp/0) and that the port is free"
+            raise RuntimeError(f"could not start the p2p daemon ({e}); {_hint(initial_peers)}") from e
+        try:
+            node = await SwarmNode.create(
+                p2p=p2p,
+                initial_peers=list(initial_peers),
+                client_mode=client_mode,
+                wait_timeout=wait_timeout,
+                record_validator=record_validator,
             )
-            raise RuntimeError(f"could not start or join the DHT ({e}); {hint}") from e
+        except BaseException as e:
+            await p2p.shutdown()
+            if not isinstance(e, Exception):
+                raise
+            raise RuntimeError(f"could not start or join the DHT ({e}); {_hint(initial_peers)}") from e
+        node._should_shutdown_p2p = True  # the node owns its daemon
+        return node
+
+
+def _hint(initial_peers: Sequence[str]) -> str:
+    return ("check that the --initial_peers line is complete and that the bootstrap peer is running" if initial_peers
+            else "check --host_maddrs (e.g. /ip4/127.0.0.1/tcp/0) and that the port is free")
 
 
 async def visible_maddrs(node: DHTNode) -> list[str]:

@@ -46,12 +46,12 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser = sub_add_parser  # every subcommand takes -v
 
     dht = sub.add_parser("dht", help="run a bootstrap peer and print the --initial_peers line to share")
-    swarm_flags(dht, joining=False)
+    swarm_flags(dht, joining=False, role="dht")
     dht.set_defaults(func=_cmd_dht)
 
     peer = sub.add_parser("peer", help="host some blocks of a model and serve them to the swarm")
     peer.add_argument("model_dir", type=Path, help="Hugging Face model folder (config.json, *.safetensors)")
-    swarm_flags(peer, joining=True)
+    swarm_flags(peer, joining=True, role="peer")
     blocks = peer.add_mutually_exclusive_group(required=True)
     blocks.add_argument("--block_indices", type=block_indices, help="serve blocks START:END, e.g. 0:4")
     blocks.add_argument("--num_blocks", type=int, help="serve N blocks, where the swarm is weakest")
@@ -128,7 +128,7 @@ def _cmd_dht(args: argparse.Namespace) -> int:
     async def run(stop: asyncio.Event) -> None:
         node = await start_node(
             host_maddrs=swarm.host_maddrs, announce_maddrs=swarm.announce_maddrs, identity=identity,
-            identity_path=swarm.identity_path, record_validator=admission.record_validator(),
+            identity_path=swarm.identity_path, record_validator=admission.record_validator(), nat=swarm.nat(),
         )
         revocations = asyncio.ensure_future(keep_revocations(node, admission, period=15.0))
         try:
@@ -196,7 +196,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     async def snapshot():
         node = await start_node(initial_peers=swarm.initial_peers, host_maddrs=swarm.host_maddrs, client_mode=True,
-                                identity=identity, record_validator=admission.record_validator())
+                                identity=identity, record_validator=admission.record_validator(), nat=swarm.nat())
         try:
             return await asyncio.wait_for(fetch_records(node, name), swarm.dht_timeout)
         finally:

@@ -17,8 +17,25 @@ def block_indices(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def swarm_flags(parser: argparse.ArgumentParser, *, joining: bool, new_swarm: bool = True) -> None:
-    """How a command reaches the swarm: bootstrap peers, addresses, identity, private-swarm credentials."""
+# defaults of the NAT/relay flags per kind of command (see nat_flags)
+ROLES = {
+    "dht": dict(use_auto_relay=False, force_reachability="public", client_mode=False),
+    "peer": dict(use_auto_relay=True, force_reachability=None, client_mode=False),
+    "client": dict(use_auto_relay=False, force_reachability=None, client_mode=True),
+}
+NAT_HELP = {
+    "dht": "a bootstrap peer must be reachable, and it relays for peers behind NAT: it forces its reachability "
+           "public, which gives each relayed connection long limits",
+    "peer": "a peer joining a swarm asks its initial peers to dial it back; behind NAT it serves through slots on "
+            "relays (its initial peers), with --no_relay or --no_auto_relay it refuses to start, saying what to do",
+    "client": "a client only dials out (a DHT client, --client_mode is always on), so it works behind NAT with "
+              "no flags; relays let it reach peers that serve behind NAT",
+}
+
+
+def swarm_flags(parser: argparse.ArgumentParser, *, joining: bool, new_swarm: bool = True,
+                role: str = "client") -> None:
+    """How a command reaches the swarm: bootstrap peers, addresses, identity, private-swarm credentials, NAT."""
     if joining:
         parser.add_argument("--initial_peers", nargs="+", default=[], help="multiaddrs printed by `swarm dht`")
     if joining and new_swarm:
@@ -33,6 +50,36 @@ def swarm_flags(parser: argparse.ArgumentParser, *, joining: bool, new_swarm: bo
                         help="join a private swarm with these member credentials (from `swarm invite`)")
     parser.add_argument("--revocations", type=Path, default=None,
                         help="a private swarm's revocation file from `swarm revoke` (members also spread it)")
+    nat_flags(parser, role)
+
+
+def nat_flags(parser: argparse.ArgumentParser, role: str) -> None:
+    """``--use_relay/--no_relay``, ``--use_auto_relay/--no_auto_relay``, ``--force_reachability``, ``--relays``,
+    ``--client_mode``, with the defaults of ``role`` ("dht", "peer" or "client")."""
+    defaults = ROLES[role]
+    group = parser.add_argument_group("NAT and relays", NAT_HELP[role])
+    group.add_argument("--use_relay", dest="use_relay", action="store_true", default=True,
+                       help="dial peers behind NAT through relays, and relay for others (default)")
+    group.add_argument("--no_relay", dest="use_relay", action="store_false", help="no relays at all")
+    group.add_argument("--use_auto_relay", dest="use_auto_relay", action="store_true",
+                       default=defaults["use_auto_relay"],
+                       help="behind NAT, serve through slots on relays" + (" (default)" if defaults["use_auto_relay"]
+                                                                        else ""))
+    group.add_argument("--no_auto_relay", dest="use_auto_relay", action="store_false",
+                       help="never serve through relays" + ("" if defaults["use_auto_relay"] else " (default)"))
+    group.add_argument("--force_reachability", choices=["public", "private", "auto"],
+                       default=defaults["force_reachability"] or "auto",
+                       help="public: reachable directly (skip the check); private: behind NAT (go straight to the "
+                            "relays); auto: check (default)" if role == "peer" else
+                            f"public, private, or auto (AutoNAT decides); default "
+                            f"{defaults['force_reachability'] or 'auto'}")
+    group.add_argument("--relays", nargs="+", default=[], metavar="MADDR",
+                       help="trusted relays to take slots on, full multiaddrs like --initial_peers "
+                            "(default: the initial peers)")
+    group.add_argument("--client_mode", action="store_true", default=defaults["client_mode"],
+                       help="only dial out: a DHT client that stores nobody's records" + (
+                           " (always on here)" if role == "client" else
+                           " (a peer behind relays is one by itself)" if role == "peer" else ""))
 
 
 def swarm_config(args: argparse.Namespace) -> SwarmConfig:
@@ -45,4 +92,9 @@ def swarm_config(args: argparse.Namespace) -> SwarmConfig:
         credentials_path=args.private,
         revocation_path=args.revocations,
         new_swarm=getattr(args, "new_swarm", False),
+        use_relay=args.use_relay,
+        use_auto_relay=args.use_auto_relay,
+        force_reachability=None if args.force_reachability == "auto" else args.force_reachability,
+        relays=tuple(args.relays),
+        client_mode=args.client_mode,
     )

@@ -78,8 +78,9 @@ class SwarmClient:
                     initial_peers=config.swarm.initial_peers,
                     host_maddrs=config.swarm.host_maddrs,
                     identity=self.identity,
-                    client_mode=True,
+                    client_mode=True,  # a client only dials out (also from behind NAT); relays reach peers behind NAT
                     record_validator=self.admission.record_validator(),
+                    nat=config.swarm.nat(),
                 ),
                 timeout=60,
             )

@@ -9,6 +9,7 @@ import torch
 
 from peers.core.ids import DTYPES
 from peers.core.trainers import TrainerPolicy
+from swarm.nat import NatOptions
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "fusionswarm"
 LOCAL_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
@@ -37,6 +38,13 @@ class SwarmConfig:
     revocation_path: Path | None = None  # private swarm: a revocation file from `swarm revoke` (also spread by the DHT)
     new_swarm: bool = False  # start a new swarm instead of joining one
     dht_timeout: float = 10.0  # seconds for one DHT lookup or store
+    # NAT and relays (swarm.nat): the defaults suit a home peer; `swarm dht` forces "public" (it relays for others)
+    use_relay: bool = True  # dial peers behind NAT through relays, and relay for others
+    use_auto_relay: bool = True  # behind NAT, serve through slots on `relays` (only nodes that serve take slots)
+    force_reachability: str | None = None  # "public" | "private": skip the reachability check; None: check
+    relays: tuple[str, ...] = ()  # trusted relays (full multiaddrs); default: the initial peers
+    client_mode: bool = False  # a DHT client that only dials out (clients and trainers always are)
+    check_reachability: bool = True  # a serving peer asks its initial peers to dial it back before it joins
 
     def __post_init__(self) -> None:
         self.initial_peers = tuple(self.initial_peers)
@@ -54,6 +62,13 @@ class SwarmConfig:
             raise ValueError("--private needs --identity_path: the identity file whose key the invite certifies")
         if self.revocation_path is not None and self.credentials_path is None:
             raise ValueError("--revocations applies to a private swarm: pass --private CREDENTIALS too")
+        self.relays = tuple(self.relays)
+        self.nat()  # checks the relay options
+
+    def nat(self) -> NatOptions:
+        """The relay and NAT options of this node's p2p daemon."""
+        return NatOptions(use_relay=self.use_relay, use_auto_relay=self.use_auto_relay,
+                          force_reachability=self.force_reachability, relays=self.relays)
 
 
 @dataclass(kw_only=True)

@@ -66,6 +66,8 @@ class StageServer:
             identity=self.identity,
             identity_path=swarm.identity_path,  # locked while we run: a second peer with it is refused
             record_validator=self.admission.record_validator(),
+            client_mode=swarm.client_mode, nat=swarm.nat(),
+            check_reachability=swarm.check_reachability,  # others must dial us (directly or through a relay)
         )
         announcer = backend = handler = reaper = links = None
         try:
@@ -94,7 +96,7 @@ class StageServer:
                                    identity=self.identity, require_encryption=self.config.require_encryption,
                                    admission=self.admission, training=training)
             await handler.add_p2p_handlers(self.node.p2p)
-            addresses = tuple(self.config.swarm.announce_maddrs) or tuple(await visible_maddrs(self.node))
+            addresses = tuple(await visible_maddrs(self.node))  # announced or relayed ones (swarm.discovery)
             announcer.update(state=PeerState.ONLINE, throughput=throughput, addresses=addresses)
             self.record = announcer.record
             logger.info(
@@ -183,7 +185,7 @@ class StageServer:
             peer_id=peer_id, model=self.model_name, start=start, end=end, state=PeerState.JOINING,
             throughput=0.0, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
             public_name=self.config.public_name, version=peers.__version__,
-            addresses=tuple(self.config.swarm.announce_maddrs), max_batch_size=self.config.max_batch_size,
+            addresses=(), max_batch_size=self.config.max_batch_size,
         )
 
     def _make_info(self, peer_id: str, start: int, end: int, throughput: float) -> StageInfo:
