@@ -103,6 +103,7 @@ class Testbed:
         self._up: dict[str, float | None] = {}
         self._down: dict[str, float | None] = {}
         self._handles: list[subprocess.Popen] = []
+        self._leaf: dict[tuple[str, str], str] = {}  # (sender name, destination address) -> htb classid
         self._lock = threading.RLock()
 
     # ---- life cycle --------------------------------------------------------------------------------------
@@ -213,6 +214,8 @@ class Testbed:
                     pairs[other.address] = float(rate)
         for argv in upload_commands("eth0", self._up[host.name], pairs):
             sh(argv, netns=host.netns)
+            if argv[:2] == ["tc", "filter"]:  # ... match ip dst ADDRESS/32 flowid CLASSID
+                self._leaf[(host.name, argv[-3].split("/")[0])] = argv[-1]
         for argv in download_commands(f"h{i}", self._down[host.name]):
             sh(argv, netns=self._switch())
 
@@ -231,6 +234,14 @@ class Testbed:
                 if src.index >= 0 and dst.index >= 0 else None)
         rates = [r for r in (pair, self._up[src.name], self._down[dst.name]) if r is not None]
         return float(min(rates)) if rates else float("inf")
+
+    def sent_bytes(self, src: Host, dst: Host) -> int:
+        """Bytes ``src``'s shaper has sent so far in the class that carries its traffic to ``dst`` (the default
+        class, shared with other destinations, where the pair has no class of its own; 0 where nothing shapes)."""
+        classid = self._leaf.get((src.name, dst.address), "1:fffe")
+        out = sh(["tc", "-s", "class", "show", "dev", "eth0", "classid", classid], netns=src.netns).stdout
+        match = re.search(r"Sent (\d+) bytes", out)
+        return int(match.group(1)) if match else 0
 
     def describe(self) -> dict:
         """Hosts, addresses and configured rates (JSON-ready; ``null`` for an unshaped pair)."""
