@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from swarm.testbed.matrices import rate_classes
 from swarm.testbed.shaping import UNSHAPED
-from swarm.testbed.tcp_rate import measure
+from swarm.testbed.tcp_rate import measure, round_trip
 from swarm.testbed.testbed import Testbed
 
 
@@ -35,9 +35,12 @@ def verify(tb: Testbed, seconds: float = 2.0, warmup: float = 0.5, ceiling: floa
 
 def measure_ceiling(seconds: float = 2.0, warmup: float = 0.5) -> dict:
     """TCP goodput between two hosts of a fresh testbed: with no qdisc at all (``unshaped``), and through an htb
-    class at 100 Gbit/s (``htb``: what a shaped link carries at most here, the htb path costs CPU too)."""
+    class at 100 Gbit/s (``htb``: what a shaped link carries at most here, the htb path costs CPU too); and the TCP
+    round trip of one byte between them (ms: what a link adds with no netem)."""
     with Testbed(2, matrix=None) as tb:
         unshaped = measure(tb, [tb.hosts[0]], tb.hosts[1], seconds, warmup)["bits_per_s"]
+        rtt = round_trip(tb, tb.hosts[0], tb.hosts[1])
     with Testbed(2, matrix={(0, 1): UNSHAPED, (1, 0): UNSHAPED}) as tb:
         htb = measure(tb, [tb.hosts[0]], tb.hosts[1], seconds, warmup)["bits_per_s"]
-    return {"unshaped_bits_per_s": round(unshaped), "htb_bits_per_s": round(htb)}
+    return {"unshaped_bits_per_s": round(unshaped), "htb_bits_per_s": round(htb), "rtt_ms_median": rtt["rtt_ms_median"],
+            "rtt_ms_min": rtt["rtt_ms_min"]}

@@ -24,8 +24,10 @@ def test_every_rate_class_reaches_90_to_100_percent(matrix, ceiling):
     assert len(results) == {"lan": 1, "three_sites": 3, "home": 2}[matrix]
     for r in results:
         if r["above_ceiling"]:
-            # a 10 Gbit/s link cannot be carried by 2 shared cores: it must not be shaped to anything slower than
-            # what this machine's CPU allows (half of the ceiling measured a moment ago; both are CPU-bound)
-            assert r["measured_bits_per_s"] >= 0.5 * r["expected_bits_per_s"], (r, ceiling)
+            # 2 shared cores cannot carry 10 Gbit/s (benchmarks/README.md: 3-7 Gbit/s, with the load of the hour):
+            # how close it gets is a benchmark figure; the test checks the pair was not put in a slower class
+            slower = max((c["configured_bits_per_s"] for c in results if not c["above_ceiling"]), default=None)
+            floor = 10 * slower if slower is not None else 0.5 * r["expected_bits_per_s"]
+            assert r["measured_bits_per_s"] >= floor, (r, ceiling)
         else:
             assert 0.90 <= r["ratio"] <= 1.0, (r, ceiling)
