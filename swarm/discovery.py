@@ -155,14 +155,15 @@ async def start_node(
     ``shutdown``) or a node with this peer id is already reachable through ``initial_peers``.
 
     ``nat`` has the relay options (default: relays on, no auto-relay; a client never takes relay slots). With
-    ``check_reachability`` (stage peers), a node that joins a swarm asks its initial peers to dial it back
+    ``check_reachability`` (a node that serves: stage peers, also as DHT clients), a node that joins a swarm
+    asks its initial peers to dial it back
     (``swarm.reachability``) unless ``nat.force_reachability`` is set: a node they cannot dial restarts behind
     its relays (auto-relay; a DHT client announcing relayed addresses, checked through a relay) or, with relays
     off, is refused with what to do; ``force_reachability="private"`` goes behind the relays without the direct
     check. Every node that is not a client answers others' checks.
     """
     nat = nat or NatOptions()
-    if client_mode:
+    if client_mode and not check_reachability:  # a client: it only dials out
         nat = nat.for_client()
     safe_msgpack.install()  # else one DHT message of ~200 nested tuples segfaults this process
     check_ports_free(host_maddrs)
@@ -176,9 +177,15 @@ async def start_node(
             await check_identity_offline(peer_id_of(identity.public_bytes), identity_path, initial_peers)
         create = dict(initial_peers=initial_peers, host_maddrs=host_maddrs, identity=identity,
                       wait_timeout=wait_timeout, record_validator=record_validator)
-        checked = check_reachability and bool(initial_peers) and not client_mode
-        if checked and nat.force_reachability == "private" and nat.use_relay and nat.use_auto_relay:
-            node = await _start_relayed(create, nat, None)  # known to be behind NAT: straight to the relays
+        checked = check_reachability and bool(initial_peers)  # a node that serves (a DHT client too)
+        if checked and nat.force_reachability == "private":  # known to be behind NAT: straight to the relays
+            if not (nat.use_relay and nat.use_auto_relay):
+                raise StartupRefused(
+                    "--force_reachability private says this peer is behind NAT, where nobody can dial it, and with "
+                    "--no_relay or --no_auto_relay it takes no relay slots either, so no client could reach it: drop "
+                    "--no_relay / --no_auto_relay, or forward a TCP port and pass --announce_maddrs "
+                    "/ip4/YOUR_PUBLIC_IP/tcp/PORT with --force_reachability auto (checked) or public")
+            node = await _start_relayed(create, nat, None)
         else:
             node = await _create_node(**create, announce_maddrs=announce_maddrs, client_mode=client_mode, nat=nat)
             if checked and nat.force_reachability is None:

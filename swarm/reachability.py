@@ -232,6 +232,7 @@ class DialBackService:
         self.limiter = limiter or RateLimiter(PER_CALLER, PER_HELPER, WINDOW)
         self._slots = asyncio.Semaphore(CONCURRENT)
         self._tasks: set[asyncio.Task] = set()
+        self._stopping: set[asyncio.Future] = set()  # probes' daemons on their way out
 
     async def attach(self) -> None:
         await self.p2p.add_binary_stream_handler(HANDLE, self._handle)
@@ -239,6 +240,8 @@ class DialBackService:
     async def detach(self) -> None:
         for task in list(self._tasks):
             task.cancel()
+        if self._stopping:
+            await asyncio.wait(list(self._stopping), timeout=5)
         try:
             await asyncio.wait_for(self.p2p.remove_binary_stream_handler(HANDLE), 3)
         except Exception as e:  # the daemon may be gone already
@@ -307,7 +310,13 @@ class DialBackService:
         except Exception as e:
             return Dial(False, error=_short(e))
         finally:
-            await probe.shutdown()
+            self._stop_later(probe)
+
+    def _stop_later(self, probe: P2P) -> None:
+        """Stop the probe's daemon without making the asker wait for it to exit."""
+        task = asyncio.ensure_future(probe.shutdown())
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
 
 
 async def _connect(p2p: P2P, peer: PeerID, addrs: Sequence[str], timeout: float) -> None:

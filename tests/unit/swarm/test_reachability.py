@@ -10,7 +10,8 @@ import pytest
 from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
-from swarm.discovery import start_node, visible_maddrs
+from swarm.discovery import StartupRefused, start_node, visible_maddrs
+from swarm.nat import NatOptions
 from swarm.reachability import (
     HANDLE,
     MAX_ADDRS,
@@ -207,6 +208,16 @@ def test_clients_do_not_answer_checks():
     async def body(helper, asker):
         with pytest.raises(P2PDaemonError, match="protocols not supported"):
             await ask(helper.p2p, asker.peer_id, CheckRequest(()), timeout=5)
+        return True
+
+    assert _two_nodes(body)
+
+
+def test_forced_private_without_relays_is_refused_with_what_to_do():
+    async def body(helper, asker):
+        with pytest.raises(StartupRefused, match="behind NAT.*drop --no_relay / --no_auto_relay"):
+            await start_node(initial_peers=await visible_maddrs(helper), check_reachability=True,
+                             nat=NatOptions(use_relay=False, force_reachability="private"))
         return True
 
     assert _two_nodes(body)
