@@ -259,6 +259,9 @@ class DialBackService:
             except (ValueError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
                 answer = CheckAnswer(observed=str(info.addr), refused=f"bad request: {e}")
                 logger.info("Refused a reachability check from %s: %s", caller, answer.refused)
+            except Exception as e:  # ours, not the caller's: it gets a reason, we keep serving
+                logger.warning("A reachability check from %s failed here: %r", caller, e)
+                answer = CheckAnswer(observed=str(info.addr), refused=f"the helper failed ({type(e).__name__})")
             await _send(writer, answer.to_bytes())
             await asyncio.wait_for(reader.read(1), READ_TIMEOUT)  # the asker closes once it has read the answer
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
