@@ -68,13 +68,19 @@ def close_all() -> None:
         tb.close()
 
 
+_ATEXIT: list[bool] = []
+
+
 def _install_handlers() -> None:
+    """Once per process: close open testbeds at exit, and on SIGTERM (only the main thread can set a handler)."""
     with _HANDLER_LOCK:
+        if not _ATEXIT:
+            atexit.register(close_all)
+            _ATEXIT.append(True)
         if _PREVIOUS or threading.current_thread() is not threading.main_thread():
             return
         _PREVIOUS[signal.SIGTERM] = signal.getsignal(signal.SIGTERM)
         signal.signal(signal.SIGTERM, _on_sigterm)
-        atexit.register(close_all)
 
 
 class Testbed:

@@ -23,8 +23,16 @@ def _names_and_pids(tb: Testbed) -> list[int]:
     return sorted({pid for ns in tb.state.namespaces for pid in pids_in_netns(ns)})
 
 
+def _root_links() -> set[str]:
+    out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+    return {line.split(":")[1].strip() for line in out.splitlines()}
+
+
 def test_normal_exit_removes_everything(tmp_path, needs_nft):
+    before = _root_links()
     with Testbed(3, "home", workdir=tmp_path) as tb:
+        ours = {"br0", "h0", "h1", "h2", "r0", "lan0"}  # our link names (eth0 of the hosts would clash with root's)
+        assert not (_root_links() - before) & ours, "a veth or bridge of the testbed showed up in the root namespace"
         nat = tb.add_nat_host()
         tb.spawn(tb.hosts[1], ["sleep", "1000"], name="sleeper")
         tb.spawn(nat, ["sh", "-c", "setsid sleep 1000 & sleep 1000"], name="escaper")
