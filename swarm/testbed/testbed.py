@@ -282,6 +282,7 @@ class Testbed:
               env: Mapping[str, str] | None = None, cwd: Path | str | None = None) -> subprocess.Popen:
         """Start ``argv`` in ``host`` with stdout+stderr to ``log`` (default ``workdir/logs/NAME.log``); it is
         stopped on close (SIGTERM, then SIGKILL to its group). The handle has ``name`` and ``log_path``."""
+        self._state()
         name = name or f"{host.name}-{len(self._handles)}"
         log_path = Path(log) if log is not None else self.workdir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)

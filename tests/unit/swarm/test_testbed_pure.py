@@ -148,3 +148,26 @@ def test_cli_help_says_there_is_no_latency(capsys):
     with pytest.raises(SystemExit):
         parser().parse_args(["--help"])
     assert "No latency is emulated" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"hosts": 0}, "1 to 199 hosts"),
+    ({"hosts": 200}, "1 to 199 hosts"),
+    ({"prefix": "Bad-Prefix"}, "lower-case letters and digits"),
+    ({"prefix": "a" * 17}, "1-16"),
+    ({"matrix": "wan"}, "unknown matrix"),
+])
+def test_testbed_arguments_are_checked_before_anything_is_made(kwargs, message):
+    from swarm.testbed import Testbed
+
+    with pytest.raises(ValueError, match=message):
+        Testbed(**kwargs)
+
+
+def test_a_testbed_that_is_not_running_says_so():
+    from swarm.testbed import Host, Testbed, TestbedError
+
+    tb = Testbed(2)
+    with pytest.raises(TestbedError, match="inside `with Testbed"):
+        tb.spawn(Host("h0", "x-h0", "10.1.0.1", "lan"), ["true"])
+    tb.close()  # closing one that never started is a no-op
