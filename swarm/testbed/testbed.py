@@ -20,7 +20,16 @@ from typing import Any
 from swarm.testbed.cleanup import remove
 from swarm.testbed.matrices import MatrixLike, resolve_matrix
 from swarm.testbed.nat import NAT_TABLE, nat_ruleset
-from swarm.testbed.netns import CommandError, add_netns, add_veth, in_netns, require_nft, require_root, sh
+from swarm.testbed.netns import (
+    CommandError,
+    add_netns,
+    add_veth,
+    in_netns,
+    pids_in_netns,
+    require_nft,
+    require_root,
+    sh,
+)
 from swarm.testbed.procs import start_time
 from swarm.testbed.shaping import download_commands, upload_commands
 from swarm.testbed.state import State, register
@@ -291,6 +300,10 @@ class Testbed:
                                 env=dict(env) if env is not None else None, cwd=cwd)
         handle.name, handle.log_path = name, log_path  # type: ignore[attr-defined]
         return handle
+
+    def pids(self) -> list[int]:
+        """Every process now inside this testbed's namespaces (spawned or not: p2p daemons, their children)."""
+        return sorted({pid for ns in self._state().namespaces for pid in pids_in_netns(ns)})
 
     def run(self, host: Host, argv: Sequence[str], check: bool = True, timeout: float = 60.0,
             **kwargs: Any) -> subprocess.CompletedProcess:
