@@ -130,6 +130,8 @@ class Testbed:
         self.close()
 
     def start(self) -> Testbed:
+        if self.state is not None or self.hosts:
+            raise TestbedError("this testbed was started already: make a new Testbed for another run")
         reason = require_root()
         if reason:
             raise TestbedError(f"cannot make a testbed: {reason}")

@@ -194,3 +194,12 @@ def test_starting_without_root_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     with pytest.raises(TestbedError, match="cannot make a testbed: needs root"):
         Testbed(2).start()
+
+
+def test_a_testbed_starts_once(monkeypatch):
+    from swarm.testbed import Host, Testbed, TestbedError
+
+    tb = Testbed(2)
+    tb.hosts.append(Host("h0", "x-h0", "10.1.0.1", "lan"))  # as after a run
+    with pytest.raises(TestbedError, match="started already"):
+        tb.start()
