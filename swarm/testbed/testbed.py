@@ -20,7 +20,16 @@ from typing import Any
 from swarm.testbed.cleanup import remove
 from swarm.testbed.matrices import MatrixLike, resolve_matrix
 from swarm.testbed.nat import NAT_TABLE, nat_ruleset
-from swarm.testbed.netns import CommandError, add_netns, add_veth, in_netns, require_nft, require_root, sh
+from swarm.testbed.netns import (
+    CommandError,
+    add_netns,
+    add_veth,
+    in_netns,
+    pids_in_netns,
+    require_nft,
+    require_root,
+    sh,
+)
 from swarm.testbed.procs import start_time
 from swarm.testbed.shaping import download_commands, upload_commands
 from swarm.testbed.state import State, register
@@ -68,13 +77,19 @@ def close_all() -> None:
         tb.close()
 
 
+_ATEXIT: list[bool] = []
+
+
 def _install_handlers() -> None:
+    """Once per process: close open testbeds at exit, and on SIGTERM (only the main thread can set a handler)."""
     with _HANDLER_LOCK:
+        if not _ATEXIT:
+            atexit.register(close_all)
+            _ATEXIT.append(True)
         if _PREVIOUS or threading.current_thread() is not threading.main_thread():
             return
         _PREVIOUS[signal.SIGTERM] = signal.getsignal(signal.SIGTERM)
         signal.signal(signal.SIGTERM, _on_sigterm)
-        atexit.register(close_all)
 
 
 class Testbed:
@@ -115,6 +130,8 @@ class Testbed:
         self.close()
 
     def start(self) -> Testbed:
+        if self.state is not None or self.hosts:
+            raise TestbedError("this testbed was started already: make a new Testbed for another run")
         reason = require_root()
         if reason:
             raise TestbedError(f"cannot make a testbed: {reason}")
@@ -276,6 +293,7 @@ class Testbed:
               env: Mapping[str, str] | None = None, cwd: Path | str | None = None) -> subprocess.Popen:
         """Start ``argv`` in ``host`` with stdout+stderr to ``log`` (default ``workdir/logs/NAME.log``); it is
         stopped on close (SIGTERM, then SIGKILL to its group). The handle has ``name`` and ``log_path``."""
+        self._state()
         name = name or f"{host.name}-{len(self._handles)}"
         log_path = Path(log) if log is not None else self.workdir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -284,6 +302,10 @@ class Testbed:
                                 env=dict(env) if env is not None else None, cwd=cwd)
         handle.name, handle.log_path = name, log_path  # type: ignore[attr-defined]
         return handle
+
+    def pids(self) -> list[int]:
+        """Every process now inside this testbed's namespaces (spawned or not: p2p daemons, their children)."""
+        return sorted({pid for ns in self._state().namespaces for pid in pids_in_netns(ns)})
 
     def run(self, host: Host, argv: Sequence[str], check: bool = True, timeout: float = 60.0,
             **kwargs: Any) -> subprocess.CompletedProcess:

@@ -14,17 +14,20 @@ import pytest
 
 from swarm.testbed import Testbed
 from swarm.testbed.cleanup import leftovers, nothing_left
-from swarm.testbed.netns import pids_in_netns
 
 HOLD = Path(__file__).with_name("hold_testbed.py")
 
 
-def _names_and_pids(tb: Testbed) -> list[int]:
-    return sorted({pid for ns in tb.state.namespaces for pid in pids_in_netns(ns)})
+def _root_links() -> set[str]:
+    out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+    return {line.split(":")[1].strip() for line in out.splitlines()}
 
 
 def test_normal_exit_removes_everything(tmp_path, needs_nft):
+    before = _root_links()
     with Testbed(3, "home", workdir=tmp_path) as tb:
+        ours = {"br0", "h0", "h1", "h2", "r0", "lan0"}  # our link names (eth0 of the hosts would clash with root's)
+        assert not (_root_links() - before) & ours, "a veth or bridge of the testbed showed up in the root namespace"
         nat = tb.add_nat_host()
         tb.spawn(tb.hosts[1], ["sleep", "1000"], name="sleeper")
         tb.spawn(nat, ["sh", "-c", "setsid sleep 1000 & sleep 1000"], name="escaper")
@@ -32,7 +35,7 @@ def test_normal_exit_removes_everything(tmp_path, needs_nft):
         prefix = tb.prefix
         assert len(tb.state.namespaces) == 6  # switch, 3 hosts, router, NAT host
         time.sleep(0.3)
-        pids = _names_and_pids(tb)
+        pids = tb.pids()
         assert len(pids) >= 4  # sleeper, sh, the sleep that left the group, the group's own sleep
         found = leftovers(prefix, pids)
         assert len(found["netns"]) == 6 and found["states"] == [prefix]
@@ -45,7 +48,7 @@ def test_an_exception_in_the_body_removes_everything():
         with Testbed(2, "lan") as tb:
             prefix, workdir = tb.prefix, tb.workdir
             tb.spawn(tb.hosts[0], ["sleep", "1000"])
-            pids = _names_and_pids(tb)
+            pids = tb.pids()
             raise RuntimeError("the body failed")
     assert nothing_left(leftovers(prefix, pids)), leftovers(prefix, pids)
     assert not workdir.exists()  # a workdir the testbed made is removed too

@@ -148,3 +148,58 @@ def test_cli_help_says_there_is_no_latency(capsys):
     with pytest.raises(SystemExit):
         parser().parse_args(["--help"])
     assert "No latency is emulated" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"hosts": 0}, "1 to 199 hosts"),
+    ({"hosts": 200}, "1 to 199 hosts"),
+    ({"prefix": "Bad-Prefix"}, "lower-case letters and digits"),
+    ({"prefix": "a" * 17}, "1-16"),
+    ({"matrix": "wan"}, "unknown matrix"),
+])
+def test_testbed_arguments_are_checked_before_anything_is_made(kwargs, message):
+    from swarm.testbed import Testbed
+
+    with pytest.raises(ValueError, match=message):
+        Testbed(**kwargs)
+
+
+def test_a_testbed_that_is_not_running_says_so():
+    from swarm.testbed import Host, Testbed, TestbedError
+
+    tb = Testbed(2)
+    with pytest.raises(TestbedError, match="inside `with Testbed"):
+        tb.spawn(Host("h0", "x-h0", "10.1.0.1", "lan"), ["true"])
+    tb.close()  # closing one that never started is a no-op
+
+
+@pytest.mark.parametrize("euid, tools, reason_root, reason_nft", [
+    (0, {"ip", "tc", "nft"}, None, None),
+    (1000, {"ip", "tc", "nft"}, "needs root", "needs root"),
+    (0, {"ip", "tc"}, None, "apt-get install -y nftables"),
+    (0, {"ip", "nft"}, "apt-get install -y iproute2", "apt-get install -y iproute2"),
+])
+def test_skip_reasons(monkeypatch, euid, tools, reason_root, reason_nft):
+    from swarm.testbed import netns
+
+    monkeypatch.setattr(netns.os, "geteuid", lambda: euid)
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: f"/usr/sbin/{tool}" if tool in tools else None)
+    for got, want in ((netns.require_root(), reason_root), (netns.require_nft(), reason_nft)):
+        assert (got is None) if want is None else (want in got)
+
+
+def test_starting_without_root_is_a_clear_error(monkeypatch):
+    from swarm.testbed import Testbed, TestbedError, netns
+
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    with pytest.raises(TestbedError, match="cannot make a testbed: needs root"):
+        Testbed(2).start()
+
+
+def test_a_testbed_starts_once(monkeypatch):
+    from swarm.testbed import Host, Testbed, TestbedError
+
+    tb = Testbed(2)
+    tb.hosts.append(Host("h0", "x-h0", "10.1.0.1", "lan"))  # as after a run
+    with pytest.raises(TestbedError, match="started already"):
+        tb.start()
