@@ -233,6 +233,7 @@ class DialBackService:
         self._slots = asyncio.Semaphore(CONCURRENT)
         self._tasks: set[asyncio.Task] = set()
         self._stopping: set[asyncio.Future] = set()  # probes' daemons on their way out
+        self._spare: asyncio.Future[P2P] | None = None  # the next direct check's probe, starting or started
 
     async def attach(self) -> None:
         await self.p2p.add_binary_stream_handler(HANDLE, self._handle)
@@ -240,6 +241,11 @@ class DialBackService:
     async def detach(self) -> None:
         for task in list(self._tasks):
             task.cancel()
+        spare, self._spare = self._spare, None
+        if spare is not None:  # never cancelled mid-start, which could leave its daemon running
+            await asyncio.wait({spare}, timeout=15)
+            if spare.done() and not spare.cancelled() and spare.exception() is None:
+                self._stop_later(spare.result())
         if self._stopping:
             await asyncio.wait(list(self._stopping), timeout=5)
         try:
@@ -300,7 +306,7 @@ class DialBackService:
     async def _dial(self, peer: PeerID, addrs: Sequence[str], *, relayed: bool) -> Dial:
         """Connect to ``peer`` at ``addrs`` from a fresh probe daemon (no shared connection, no address book)."""
         try:
-            probe = await P2P.create(use_relay=relayed, **_PROBE_ARGS)
+            probe = await self._probe(relayed)
         except Exception as e:
             logger.warning("Could not start a probe daemon for a reachability check (%r)", e)
             return Dial(False, error=f"the helper could not start its probe ({type(e).__name__})")
@@ -314,6 +320,22 @@ class DialBackService:
             return Dial(False, error=_short(e))
         finally:
             self._stop_later(probe)
+
+    async def _probe(self, relayed: bool) -> P2P:
+        """A fresh probe daemon, used once. A direct check takes the spare started after the previous one (so the
+        next asker does not wait for a daemon to start) and starts the next spare."""
+        if relayed:
+            return await P2P.create(use_relay=True, **_PROBE_ARGS)
+        spare, self._spare = self._spare, asyncio.ensure_future(P2P.create(use_relay=False, **_PROBE_ARGS))
+        if spare is not None:
+            try:
+                probe = await spare
+                if probe._child is not None and probe._child.returncode is None:
+                    return probe
+                self._stop_later(probe)  # its daemon died while it waited
+            except Exception as e:
+                logger.debug("the spare probe daemon did not start (%r); starting another", e)
+        return await P2P.create(use_relay=False, **_PROBE_ARGS)
 
     def _stop_later(self, probe: P2P) -> None:
         """Stop the probe's daemon without making the asker wait for it to exit."""
