@@ -63,8 +63,9 @@ def nat_flags(parser: argparse.ArgumentParser, role: str) -> None:
     group.add_argument("--no_relay", dest="use_relay", action="store_false", help="no relays at all")
     group.add_argument("--use_auto_relay", dest="use_auto_relay", action="store_true",
                        default=defaults["use_auto_relay"],
-                       help="behind NAT, serve through slots on relays" + (" (default)" if defaults["use_auto_relay"]
-                                                                        else ""))
+                       help="behind NAT, serve through slots on relays" + (
+                           " (default)" if defaults["use_auto_relay"] else
+                           " (no effect here: a client serves nothing)" if role == "client" else ""))
     group.add_argument("--no_auto_relay", dest="use_auto_relay", action="store_false",
                        help="never serve through relays" + ("" if defaults["use_auto_relay"] else " (default)"))
     group.add_argument("--force_reachability", choices=["public", "private", "auto"],
@@ -76,10 +77,10 @@ def nat_flags(parser: argparse.ArgumentParser, role: str) -> None:
     group.add_argument("--relays", nargs="+", default=[], metavar="MADDR",
                        help="trusted relays to take slots on, full multiaddrs like --initial_peers "
                             "(default: the initial peers)")
-    group.add_argument("--client_mode", action="store_true", default=defaults["client_mode"],
-                       help="only dial out: a DHT client that stores nobody's records" + (
-                           " (always on here)" if role == "client" else
-                           " (a peer behind relays is one by itself)" if role == "peer" else ""))
+    if role != "dht":  # a bootstrap peer is the DHT
+        group.add_argument("--client_mode", action="store_true", default=defaults["client_mode"],
+                           help="only dial out: a DHT client that stores nobody's records" + (
+                               " (always on here)" if role == "client" else " (a peer behind relays is one by itself)"))
 
 
 def swarm_config(args: argparse.Namespace) -> SwarmConfig:
@@ -96,5 +97,5 @@ def swarm_config(args: argparse.Namespace) -> SwarmConfig:
         use_auto_relay=args.use_auto_relay,
         force_reachability=None if args.force_reachability == "auto" else args.force_reachability,
         relays=tuple(args.relays),
-        client_mode=args.client_mode,
+        client_mode=getattr(args, "client_mode", False),
     )
