@@ -53,10 +53,12 @@ class Announcer:
                 if not self._task.cancelled():
                     raise
 
-    def update(self, **changes) -> None:
-        """Change fields of the record (e.g. ``state=ONLINE``) and announce at once."""
+    def update(self, *, wake: bool = True, **changes) -> None:
+        """Change fields of the record (e.g. ``state=ONLINE``) and announce at once (``wake=False``: at the next
+        heartbeat)."""
         self.record = dataclasses.replace(self.record, **changes)
-        self._wake.set()
+        if wake:
+            self._wake.set()
 
     async def stop(self, final_state: PeerState = PeerState.OFFLINE) -> None:
         """Stop the heartbeat and announce ``final_state`` (it expires like any record), so others learn we left."""
