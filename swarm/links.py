@@ -72,8 +72,7 @@ class LinkState:
     bandwidth: RobustEma = field(default_factory=RobustEma)
     updated: float = 0.0  # ``clock()`` of the last sample
     source: str = "passive"  # of the last sample
-    last_wall: float = 0.0  # the last sample as seen (for tests and `swarm status`): wall and reported compute
-    last_compute: float = 0.0
+    recent: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=16))  # (wall, compute) seen
 
 
 @dataclass(frozen=True)
@@ -125,7 +124,7 @@ class LinkTable:
         else:
             return False
         state.updated, state.source = self.clock(), source
-        state.last_wall, state.last_compute = wall, min(compute, wall)
+        state.recent.append((wall, min(compute, wall)))
         return True
 
     def observe_probe(self, peer_id: str, round_trips: Iterable[float], nbytes: int, transfer_wall: float,

@@ -372,7 +372,7 @@ def test_router_refresh_force(clock):
 def test_router_waits_for_a_ban_to_end_when_only_banned_peers_serve_a_span():
     import asyncio
 
-    from swarm.records import DEFAULT_SECONDS_PER_BLOCK, PeerRecord, PeerState
+    from swarm.records import PeerRecord, PeerState
     from swarm.routing import Router
 
     peer = "12D3KooW" + "A" * 44
