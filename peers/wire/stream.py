@@ -134,6 +134,17 @@ class PeerStream:
         stream._start(reader, writer)
         return stream
 
+    def send_raw(self, messages: list[runtime_pb2.ExpertRequest], *, hang_up: bool = False) -> asyncio.Future:
+        """Queue hand-made ``messages`` as they are and return the future of the next reply (``hang_up``: end the
+        stream after them); for tests of what peers refuse (truncated, tampered or replayed requests)."""
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append(_Due(future, None))
+        for message in messages:
+            self._outbox.put_nowait(message)
+        if hang_up:
+            self._outbox.put_nowait(None)
+        return future
+
     def _start(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._replies = IncomingFrames(reader, runtime_pb2.ExpertResponse, max_queued=64,
                                        name=f"stream to peer {short_id(self.peer_id)}")
