@@ -34,9 +34,11 @@ SOURCES = ("passive", "probe")  # how a measured link was learned; "default" whe
 
 
 class RobustEma:
-    """An EMA (``ALPHA``) of samples, each first clipped into ``[m / CLIP, m * CLIP]`` where ``m`` is the median of
-    the last ``WINDOW`` samples (this one included): one outlier moves the estimate by at most ``ALPHA * (CLIP - 1)``
-    of it, while a real change of the link moves the median within about ``WINDOW / 2`` samples and is then followed.
+    """The median of the first ``WINDOW`` samples, then an EMA (``ALPHA``) of samples each first clipped into
+    ``[m / CLIP, m * CLIP]``, where ``m`` is the median of the last ``WINDOW`` samples (this one included). So one
+    outlier, even the first sample (a fresh connection's first round trip), moves the estimate by at most
+    ``ALPHA * (CLIP - 1)`` of it, while a real change of the link moves the median within about ``WINDOW / 2``
+    samples and is then followed.
     """
 
     def __init__(self) -> None:
@@ -47,10 +49,12 @@ class RobustEma:
     def add(self, sample: float) -> float:
         self._recent.append(sample)
         self.samples += 1
-        if self.value is None:
-            self.value = sample
-            return sample
-        median = sorted(self._recent)[len(self._recent) // 2]
+        ordered = sorted(self._recent)
+        middle = len(ordered) // 2
+        if self.value is None or self.samples <= WINDOW:
+            self.value = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+            return self.value
+        median = ordered[middle]
         clipped = min(max(sample, median / CLIP), median * CLIP)
         self.value = (1 - ALPHA) * self.value + ALPHA * clipped
         return self.value

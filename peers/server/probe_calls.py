@@ -22,7 +22,7 @@ from privacy.peer_ids import short_id
 logger = logging.getLogger(__name__)
 
 WINDOW = 60.0  # seconds the limits count over
-MAX_ROUND_TRIPS = 12  # per caller per window: a probe is 3; so a few probes a minute
+MAX_ROUND_TRIPS = 12  # per caller per window: a probe makes 4 (a warm-up and 3); so a few probes a minute
 MAX_TRANSFERS = 2  # per caller per window: a probe has 1
 MAX_CALLERS = 4096  # callers remembered; the oldest are forgotten beyond this
 

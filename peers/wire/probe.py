@@ -1,5 +1,5 @@
-"""The caller's side of an active link probe: a few round trips, then one timed transfer of at most ~1 MiB, over an
-encrypted ``PeerStream`` (the peer's side and its limits: ``peers.server.probe_calls``)."""
+"""The caller's side of an active link probe: a warm-up and a few round trips, then one timed transfer of at most
+~1 MiB, over an encrypted ``PeerStream`` (the peer's side and its limits: ``peers.server.probe_calls``)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ async def probe_link(stream: PeerStream, *, round_trips: int = PROBE_ROUND_TRIPS
                      timeout: float = 30.0) -> ProbeResult:
     """Probe the link to ``stream``'s peer; ``RequestError`` if the peer refuses (e.g. its rate limit)."""
     loop = asyncio.get_running_loop()
+    await stream.call(LinkProbe(), None, timeout, observe=False)  # unmeasured: a fresh stream's first is slow
     rtts = []
     for _ in range(round_trips):
         began = loop.time()

@@ -43,15 +43,21 @@ def ema_of(samples: list[float]) -> float:
     return ema.value
 
 
+W = [0.01] * links.WINDOW  # enough samples for the EMA to take over from the median
+
+
 @pytest.mark.parametrize(
     "samples, expected",
     [
         ([0.01], 0.01),
         ([0.01] * 10, 0.01),
-        ([0.01, 0.02], 0.8 * 0.01 + 0.2 * 0.02),  # within the clip: a plain EMA
-        ([0.01, 0.011, 0.012], 0.8 * (0.8 * 0.01 + 0.2 * 0.011) + 0.2 * 0.012),
-        ([0.01] * 5 + [10.0], 0.8 * 0.01 + 0.2 * 0.02),  # one outlier 1000x: clipped to 2x the median
-        ([0.01] * 5 + [0.0], 0.8 * 0.01 + 0.2 * 0.005),  # one 0 (a peer over-reporting compute): to median / 2
+        ([0.01, 0.02], 0.015),  # the first samples: their median
+        ([0.05, 0.001, 0.001], 0.001),  # a fresh connection's slow first round trip does not stick
+        ([0.01, 0.011, 0.012, 0.5], 0.0115),
+        (W + [0.02], 0.8 * 0.01 + 0.2 * 0.02),  # then an EMA, within the clip
+        (W + [0.011, 0.012], 0.8 * (0.8 * 0.01 + 0.2 * 0.011) + 0.2 * 0.012),
+        (W + [10.0], 0.8 * 0.01 + 0.2 * 0.02),  # one outlier 1000x: clipped to 2x the median
+        (W + [0.0], 0.8 * 0.01 + 0.2 * 0.005),  # one 0 (a peer over-reporting compute): to median / 2
     ],
 )
 def test_robust_ema(samples, expected):

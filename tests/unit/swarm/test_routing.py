@@ -231,7 +231,7 @@ def test_success_lifts_ban_and_resets_backoff(clock, failures):
     "samples, expected",
     [
         ([(0.1, 0.0)], 0.1),
-        ([(0.1, 0.0), (0.2, 0.0)], 0.8 * 0.1 + 0.2 * 0.2),
+        ([(0.1, 0.0), (0.2, 0.0)], 0.15),
         ([(0.3, 0.2)], 0.1),  # the peer's reported compute is not network time
         ([(0.3, 0.2), (0.5, 0.4)], 0.1),
         ([(0.01, 5.0)], 0.0),  # compute is never trusted beyond the wall time
