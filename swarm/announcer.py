@@ -28,10 +28,12 @@ class Announcer:
     """
 
     def __init__(self, node: DHTNode, record: PeerRecord, *, period: float,
-                 check: Callable[[], None] | None = None) -> None:
+                 check: Callable[[], None] | None = None,
+                 refresh: Callable[[PeerRecord], PeerRecord] | None = None) -> None:
         if period <= 0:
             raise ValueError(f"announce period must be positive, got {period}")
         self.node, self.record, self.period, self.check = node, record, period, check
+        self.refresh = refresh  # brings fields that age (the links' table) up to date before each announcement
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
 
@@ -79,6 +81,11 @@ class Announcer:
             await self._announce_once()
 
     async def _announce_once(self) -> None:
+        if self.refresh is not None:
+            try:
+                self.record = self.refresh(self.record)
+            except Exception as e:  # a refresh must never stop the heartbeat
+                logger.warning("Could not refresh the record (%r); announcing it as it was", e)
         try:
             ok = await asyncio.wait_for(announce(self.node, self.record, ttl=self.ttl), timeout=STORE_TIMEOUT)
         except Exception as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -75,7 +76,8 @@ class StageServer:
             peer_id = str(self.node.peer_id)
             start, end = await self._choose_blocks()
             announcer = Announcer(self.node, self._make_record(peer_id, start, end), period=self.config.update_period,
-                                  check=lambda: check_membership(self.admission))
+                                  check=lambda: check_membership(self.admission),
+                                  refresh=lambda r: dataclasses.replace(r, links=self.link_table.best_rows()))
             await announcer.start()  # JOINING: other joining peers see our blocks and choose others
             logger.info("Loading blocks %d:%d of %s", start, end, self.model_name)
             blocks = load_blocks(self.config.model_dir, start, end, device=self.device, dtype=self.dtype)
@@ -137,7 +139,7 @@ class StageServer:
         async def fetch() -> list[PeerRecord]:
             return await asyncio.wait_for(fetch_records(self.node, self.model_name), self.config.swarm.dht_timeout)
 
-        def publish(rows, wake: bool) -> None:
+        def publish(rows, wake: bool) -> None:  # each announcement refreshes the rows; new probes: announce now
             announcer.update(links=rows, wake=wake)
             self.record = announcer.record
 
@@ -224,8 +226,14 @@ def measure_block(block, hidden_size: int, device: torch.device, dtype: torch.dt
     block's input and weights (as in training); the weights' grads are cleared and frozen again afterwards."""
     hidden = torch.randn(1, tokens, hidden_size, device=device, dtype=dtype)
     positions = torch.arange(tokens, device=device)[None]
+
+    def synced(fn):  # a GPU runs kernels asynchronously: time them to their end, not to their launch
+        if device.type != "cuda":
+            return fn
+        return lambda: (fn(), torch.cuda.synchronize(device))
+
     with torch.inference_mode():
-        forward = time_per_call(lambda: block(hidden, positions))
+        forward = time_per_call(synced(lambda: block(hidden, positions)))
     params = list(block.parameters())
     frozen = [not p.requires_grad for p in params]
     x = hidden.clone().requires_grad_(True)
@@ -238,8 +246,8 @@ def measure_block(block, hidden_size: int, device: torch.device, dtype: torch.dt
         for p in params:
             p.requires_grad_(True)
         with torch.enable_grad():
-            both = time_per_call(forward_backward, repeats=3)
-            graph_forward = time_per_call(lambda: block(x, positions), repeats=3)
+            both = time_per_call(synced(forward_backward), repeats=3)
+            graph_forward = time_per_call(synced(lambda: block(x, positions)), repeats=3)
     finally:
         for p, was_frozen in zip(params, frozen, strict=True):
             p.grad = None
