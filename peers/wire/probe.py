@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import asyncio
+import time
 from dataclasses import dataclass
 
 import torch
@@ -29,16 +29,15 @@ class ProbeResult:
 async def probe_link(stream: PeerStream, *, round_trips: int = PROBE_ROUND_TRIPS, nbytes: int = PROBE_BYTES,
                      timeout: float = 30.0) -> ProbeResult:
     """Probe the link to ``stream``'s peer; ``RequestError`` if the peer refuses (e.g. its rate limit)."""
-    loop = asyncio.get_running_loop()
     await stream.call(LinkProbe(), None, timeout, observe=False)  # unmeasured: a fresh stream's first is slow
     rtts = []
     for _ in range(round_trips):
-        began = loop.time()
+        began = time.perf_counter()
         reply, _ = await stream.call(LinkProbe(), None, timeout, observe=False)
-        wall = loop.time() - began
+        wall = time.perf_counter() - began
         rtts.append(wall - min(wall, max(0.0, reply.compute_ms / 1e3)) if reply.compute_ms >= 0 else wall)
     payload = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-    began = loop.time()
+    began = time.perf_counter()
     reply, _ = await stream.call(LinkProbe(transfer=True), payload, timeout, observe=False)
-    wall = loop.time() - began
+    wall = time.perf_counter() - began
     return ProbeResult(rtts, payload.numel() * 4, wall, reply.compute_ms / 1e3)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,7 +53,7 @@ class _Due:
 
     future: asyncio.Future
     timer: asyncio.TimerHandle | None
-    began: float = 0.0  # loop time the request was queued
+    began: float = 0.0  # ``time.perf_counter()`` when the request was queued (uvloop's clock counts whole ms)
     sent: int | None = None  # bytes of the request, if it had the stream to itself (no reply due before it)
 
 
@@ -278,7 +279,7 @@ class PeerStream:
             self._idle_until = loop.time()  # silence before this request does not count against the peer
         messages = [_message(metadata)] if hidden is None else list(tensor_messages(hidden, metadata, seal=self._seal))
         sent = sum(m.ByteSize() for m in messages) if alone and observe and self.observe is not None else None
-        self._waiting.append(_Due(future, timer, loop.time(), sent))
+        self._waiting.append(_Due(future, timer, time.perf_counter(), sent))
         for message in messages:
             self._outbox.put_nowait(message)
         return await future
@@ -364,7 +365,7 @@ class PeerStream:
         """Tell ``observe`` the timing of a reply that reports the peer's time on it (a passive link sample)."""
         if due.sent is None or self.observe is None or reply.error or not reply.compute_ms > 0:
             return
-        wall = asyncio.get_running_loop().time() - due.began
+        wall = time.perf_counter() - due.began
         received = first.ByteSize() + (output.numel() * output.element_size() if output is not None else 0)
         try:
             self.observe(self.peer_id, wall, reply.compute_ms / 1e3, due.sent + received)
