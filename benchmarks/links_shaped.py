@@ -20,7 +20,6 @@ from pathlib import Path
 from rich.progress import Progress
 
 from peers.cli.launch import LocalSwarm
-from peers.client.swarm_client import SwarmClient
 from peers.model import make_tiny_model
 
 try:
@@ -51,7 +50,6 @@ def _joiner_rows(tb, host, swarm, model: Path, joiner: str, workdir: Path) -> li
     script = workdir / "read_links.py"
     script.write_text(f"""
 import json, time
-from peers.client.swarm_client import SwarmClient
 with SwarmClient({str(model)!r}, initial_peers={swarm.initial_peers!r}) as client:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -73,7 +71,6 @@ def main() -> None:
     args = parser.parse_args()
     if Testbed is None:
         sys.exit("links_shaped.py needs swarm.testbed (issue 11 part 1): run it on a tree that has the testbed")
-    assert SwarmClient  # the reader script imports it inside the testbed
     with tempfile.TemporaryDirectory(prefix="fusionswarm-links-shaped-") as tmp, Progress() as progress:
         workdir = args.workdir or Path(tmp)
         model = make_tiny_model(workdir / "tiny", seed=1, **TINY)
