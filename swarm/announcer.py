@@ -28,10 +28,12 @@ class Announcer:
     """
 
     def __init__(self, node: DHTNode, record: PeerRecord, *, period: float,
-                 check: Callable[[], None] | None = None) -> None:
+                 check: Callable[[], None] | None = None,
+                 refresh: Callable[[PeerRecord], PeerRecord] | None = None) -> None:
         if period <= 0:
             raise ValueError(f"announce period must be positive, got {period}")
         self.node, self.record, self.period, self.check = node, record, period, check
+        self.refresh = refresh  # brings fields that age (the links' table) up to date before each announcement
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
 
@@ -53,10 +55,12 @@ class Announcer:
                 if not self._task.cancelled():
                     raise
 
-    def update(self, **changes) -> None:
-        """Change fields of the record (e.g. ``state=ONLINE``) and announce at once."""
+    def update(self, *, wake: bool = True, **changes) -> None:
+        """Change fields of the record (e.g. ``state=ONLINE``) and announce at once (``wake=False``: at the next
+        heartbeat)."""
         self.record = dataclasses.replace(self.record, **changes)
-        self._wake.set()
+        if wake:
+            self._wake.set()
 
     async def stop(self, final_state: PeerState = PeerState.OFFLINE) -> None:
         """Stop the heartbeat and announce ``final_state`` (it expires like any record), so others learn we left."""
@@ -77,6 +81,11 @@ class Announcer:
             await self._announce_once()
 
     async def _announce_once(self) -> None:
+        if self.refresh is not None:
+            try:
+                self.record = self.refresh(self.record)
+            except Exception as e:  # a refresh must never stop the heartbeat
+                logger.warning("Could not refresh the record (%r); announcing it as it was", e)
         try:
             ok = await asyncio.wait_for(announce(self.node, self.record, ttl=self.ttl), timeout=STORE_TIMEOUT)
         except Exception as e:

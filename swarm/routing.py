@@ -11,11 +11,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from privacy.peer_ids import short_id
+from swarm.links import LinkTable
 from swarm.records import PeerRecord, PeerState
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_RTT = 0.01  # seconds, assumed for a peer we have not measured yet
+DEFAULT_RTT = 0.01  # seconds of network round trip assumed for a peer we have not measured yet
 HOP_PENALTY = 0.002  # seconds per extra hop: serialization and scheduling overhead on both ends
 
 
@@ -108,14 +109,16 @@ def make_chain(
     """The lowest-latency chain of online peers that computes blocks ``[start, end)`` in order.
 
     Dijkstra over block boundaries: a peer serving ``[a, b)`` is an edge ``s -> e`` for every
-    ``a <= s < e <= b``, costing its round trip plus ``(e - s)`` blocks at its per-block speed.
+    ``a <= s < e <= b``, costing its network round trip ``rtt`` (compute excluded: measured as wall time minus
+    the peer's reported compute, see ``swarm.links``) plus ``(e - s)`` blocks at its per-block compute from its
+    record (``PeerRecord.seconds_per_block``). Compute is counted once.
     """
     rtt = rtt or {}
     banned = set(banned)
     peers = [r for r in records if r.state == PeerState.ONLINE and r.peer_id not in banned]
     edges: dict[int, list[tuple[int, float, str]]] = {}
     for r in peers:
-        seconds_per_block = 1.0 / r.throughput if r.throughput > 0 else 1.0
+        seconds_per_block = r.seconds_per_block
         base = rtt.get(r.peer_id, DEFAULT_RTT) + HOP_PENALTY
         for s in range(max(r.start, start), min(r.end, end)):
             for e in range(s + 1, min(r.end, end) + 1):
@@ -162,7 +165,8 @@ class Ban:
 
 
 class Router:
-    """Keeps a fresh snapshot of the swarm, measured RTTs, bans with growing backoff and busy marks.
+    """Keeps a fresh snapshot of the swarm, measured links (``links``: network time only, fed by the client's
+    streams), bans with growing backoff and busy marks.
 
     One router serves every session of a client (and its trainer), so several of them often see the same
     failure at once (a killed peer breaks every stream to it): a failure is one event, one ban, however many
@@ -188,7 +192,7 @@ class Router:
         self.records: list[PeerRecord] = []
         self.sealed = 0  # records of the last snapshot that could not be read (a private swarm's)
         self._fetched_at = -float("inf")
-        self.rtt: dict[str, float] = {}
+        self.links = LinkTable(clock=lambda: time.monotonic())  # the client's streams add samples (passive)
         self._bans: dict[str, Ban] = {}
         self._busy: dict[str, tuple[float, str]] = {}  # peer -> (busy until, its refusal)
 
@@ -237,12 +241,19 @@ class Router:
         self._busy[peer_id] = (time.monotonic() + duration, _describe(error))
         logger.info("Peer %s is busy; routing around it for %.1f s: %s", short_id(peer_id), duration, error)
 
-    def on_success(self, peer_id: str, rtt: float | None = None) -> None:
-        """Lift any ban and fold a measured round trip into the peer's RTT estimate (EMA)."""
+    @property
+    def rtt(self) -> dict[str, float]:
+        """Measured network round trips (seconds, the peer's compute excluded) of the peers we talked to."""
+        return self.links.rtts()
+
+    def on_success(self, peer_id: str) -> None:
+        """Lift any ban (the request's timing reaches ``links`` from the stream itself)."""
         self._bans.pop(peer_id, None)
-        if rtt is not None:
-            old = self.rtt.get(peer_id)
-            self.rtt[peer_id] = rtt if old is None else 0.8 * old + 0.2 * rtt
+
+    def observe(self, peer_id: str, wall: float, compute: float, nbytes: int) -> None:
+        """A reply of ``peer_id``: ``wall`` s from send to reply, ``compute`` s of it on the peer (its report),
+        ``nbytes`` both ways; network time = wall - compute goes into ``links`` (``PeerStream``'s observer)."""
+        self.links.observe(peer_id, wall, compute, nbytes)
 
     def unavailable(self, peer_ids: Iterable[str] | None = None) -> list[Unavailable]:
         """Why each of ``peer_ids`` (default: all) is left out now; peers that are not are skipped."""

@@ -16,15 +16,19 @@ _STATE_STYLE = {
 }
 
 
+SHOWN_LINKS = 3  # best links shown per peer (a record carries up to 8)
+
+
 def status_table(model: str, records: list[PeerRecord], total_blocks: int) -> Table:
     table = Table(title=f"fusionswarm: {model} ({total_blocks} blocks, {len(records)} peers)")
-    for column in ("peer", "name", "blocks", "state", "tokens/s per block", "device", "dtype", "version"):
-        table.add_column(column, justify="right" if column.startswith("tokens") else "left")
+    for column in ("peer", "name", "blocks", "state", "tokens/s per block", "fwd/bwd ms per token per block",
+                   "best links", "device", "dtype", "version"):
+        table.add_column(column, justify="right" if column.startswith(("tokens", "fwd")) else "left")
     for r in sorted(records, key=lambda r: (r.start, r.end, r.peer_id)):
         style = _STATE_STYLE[r.state]
         table.add_row(
             f"...{r.peer_id[-8:]}", r.public_name or "-", r.span, f"[{style}]{r.state.value}[/{style}]",
-            f"{r.throughput:,.0f}", r.device, r.dtype, r.version or "-",
+            f"{r.throughput:,.0f}", compute_cell(r), links_cell(r), r.device, r.dtype, r.version or "-",
         )
     missing = missing_blocks(records, total_blocks)
     table.caption = (
@@ -33,6 +37,35 @@ def status_table(model: str, records: list[PeerRecord], total_blocks: int) -> Ta
         else "[green]every block is served[/green]"
     )
     return table
+
+
+def compute_cell(record: PeerRecord) -> str:
+    """``0.012 / 0.031``: measured forward / backward ms per token per block ("-" for a figure not measured)."""
+    if record.forward_seconds <= 0 and record.backward_seconds <= 0:
+        return "-"
+    return f"{_ms(record.forward_seconds)} / {_ms(record.backward_seconds)}"
+
+
+def links_cell(record: PeerRecord, limit: int = SHOWN_LINKS) -> str:
+    """``...abcd 95 Mbit/s 1.2 ms`` per best link (fastest first), one per line; "-" if none is known."""
+    rows = sorted(record.links, key=lambda row: (-row.bandwidth, row.rtt))[:limit]
+    if not rows:
+        return "-"
+    return "\n".join(f"...{row.peer_id[-4:]} {_rate(row.bandwidth)} {row.rtt * 1e3:.1f} ms" for row in rows)
+
+
+def _ms(seconds: float) -> str:
+    return "-" if seconds <= 0 else f"{seconds * 1e3:.3g}"
+
+
+def _rate(bits_per_second: float) -> str:
+    """``95 Mbit/s``, ``1.2 Gbit/s``; ``? Mbit/s`` where only the round trip is known."""
+    if bits_per_second <= 0:
+        return "? Mbit/s"
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits_per_second >= scale:
+            return f"{bits_per_second / scale:.3g} {unit}"
+    return f"{bits_per_second:.0f} bit/s"
 
 
 def print_status(model: str, records: list[PeerRecord], total_blocks: int, console: Console | None = None) -> None:

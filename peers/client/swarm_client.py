@@ -91,8 +91,6 @@ class SwarmClient:
         # it ends with a MembershipError once our own certificate is revoked or expired, and every call raises it
         self._revocations = asyncio.run_coroutine_threadsafe(
             keep_revocations(self.node, self.admission, period=config.refresh_period), self._loop.loop)
-        self._links = PeerLinks(self.node.p2p, self.admission, encrypt=config.encrypt,
-                                timeout=config.request_timeout)
         self.router = Router(
             self._fetch,
             model=self.model_name,
@@ -100,6 +98,9 @@ class SwarmClient:
             ban_time=config.ban_time,
             max_ban_time=config.max_ban_time,
         )
+        # every reply's timing, less the peer's reported compute, feeds the router's network estimates (passive)
+        self._links = PeerLinks(self.node.p2p, self.admission, encrypt=config.encrypt,
+                                timeout=config.request_timeout, observe=self.router.observe)
 
     # ---- synchronous API -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -202,7 +203,7 @@ class SwarmClient:
         while position < end:
             chain = await self.router.make_chain(position, end)
             for hop in chain:
-                t0, started = time.perf_counter(), time.monotonic()
+                started = time.monotonic()
                 try:
                     hidden = await self.call_forward(hop.peer_id, hidden, hop.start, hop.end)
                 except (RequestError, MembershipError, NoRouteError):
@@ -217,7 +218,7 @@ class SwarmClient:
                         ) from e
                     await asyncio.sleep(backoff(failures))
                     break
-                self.router.on_success(hop.peer_id, rtt=time.perf_counter() - t0)
+                self.router.on_success(hop.peer_id)
                 position = hop.end
         return hidden
 

@@ -4,6 +4,7 @@ reading the tensor a request carries, and replies."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,13 @@ class Call:
 
 
 Handler = Callable[[Any, Call], Awaitable[Responses]]  # takes the request kind it is registered for
+
+
+def elapsed_ms(started: float) -> float:
+    """Milliseconds since ``started`` (``time.perf_counter()``): a reply's ``compute_ms``, this peer's own time on a
+    request (from its tensor read to its reply built), which callers subtract from their wall time to measure the
+    network (``swarm.links``). Never 0, which means "not reported"."""
+    return max(1e-3, 1e3 * (time.perf_counter() - started))
 
 
 def reply(*, error: str = "", length: int = 0) -> runtime_pb2.ExpertResponse:

@@ -17,7 +17,7 @@ from hivemind.proto import runtime_pb2
 
 from peers.core.aio import deadline
 from peers.server.backend import StageBackend
-from peers.server.calls import Call, Responses, StreamCalls, reply, tensor_reply
+from peers.server.calls import Call, Responses, StreamCalls, elapsed_ms, reply, tensor_reply
 from peers.server.kv_sessions import Session, SessionRegistry
 from peers.wire.errors import RequestError
 from peers.wire.messages import InferenceClose, InferenceOpen, InferenceReply, InferenceStep, StageInfo
@@ -60,6 +60,7 @@ class SessionCalls(StreamCalls):
         """Validate each part, run the valid ones (the backend batches them), reply with outputs and errors."""
         try:
             hidden = await self.read_tensor(call)
+            started = time.perf_counter()  # from here on, the time is ours, not the network's
             parts = self._split(request, hidden, call.stream.owned)
         except (RequestError, ValueError, asyncio.TimeoutError) as e:
             error = str(e) or f"step exceeded the deadline of {self.request_timeout:.0f} s"
@@ -82,7 +83,8 @@ class SessionCalls(StreamCalls):
             return [reply(error=f"step exceeded the deadline of {self.request_timeout:.0f} s")]
         if not outputs:
             return [runtime_pb2.ExpertResponse(metadata=InferenceReply(errors=errors).to_bytes())]
-        return tensor_reply(torch.cat(outputs), InferenceReply(errors=errors), call.stream)
+        output = torch.cat(outputs)
+        return tensor_reply(output, InferenceReply(errors=errors, compute_ms=elapsed_ms(started)), call.stream)
 
     def _split(self, request: InferenceStep, hidden: torch.Tensor, owned: dict[str, Session]
                ) -> list[tuple[Session, torch.Tensor, int]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -17,6 +18,7 @@ from peers.model import ModelConfig, load_blocks
 from peers.server.backend import StageBackend
 from peers.server.handler import StageHandler
 from peers.server.kv_sessions import SessionRegistry
+from peers.server.prober import LinkProber
 from peers.server.training_rpc import TrainingRPC
 from peers.wire.links import PeerLinks
 from peers.wire.messages import StageInfo
@@ -24,7 +26,8 @@ from swarm.announcer import Announcer
 from swarm.block_selection import choose_blocks
 from swarm.discovery import fetch_records, start_node, visible_maddrs
 from swarm.keys import check_model_name
-from swarm.measure import cached_throughput, time_per_call
+from swarm.links import LinkTable
+from swarm.measure import Compute, cached_compute, time_per_call
 from swarm.records import PeerRecord, PeerState
 from swarm.revocations import check_membership, keep_revocations, serve_until
 
@@ -53,6 +56,7 @@ class StageServer:
         self.node: DHTNode | None = None
         self.record: PeerRecord | None = None
         self.ready = asyncio.Event()
+        self.link_table = LinkTable()  # our links to other peers: replica traffic (passive) and probes
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set, then leave cleanly (announce offline, stop the daemon)."""
@@ -69,16 +73,18 @@ class StageServer:
             client_mode=swarm.client_mode, nat=swarm.nat(),
             check_reachability=swarm.check_reachability,  # others must dial us (directly or through a relay)
         )
-        announcer = backend = handler = reaper = links = None
+        announcer = backend = handler = reaper = links = probing = None
         try:
             peer_id = str(self.node.peer_id)
             start, end = await self._choose_blocks()
             announcer = Announcer(self.node, self._make_record(peer_id, start, end), period=self.config.update_period,
-                                  check=lambda: check_membership(self.admission))
+                                  check=lambda: check_membership(self.admission),
+                                  refresh=lambda r: dataclasses.replace(r, links=self.link_table.best_rows()))
             await announcer.start()  # JOINING: other joining peers see our blocks and choose others
             logger.info("Loading blocks %d:%d of %s", start, end, self.model_name)
             blocks = load_blocks(self.config.model_dir, start, end, device=self.device, dtype=self.dtype)
-            throughput = self.config.throughput or self._measure(blocks)
+            compute = None if self.config.throughput else self._measure(blocks)
+            throughput = self.config.throughput or 1.0 / compute.forward  # type: ignore[union-attr]
             sessions = SessionRegistry(cache_tokens=self.config.cache_tokens, timeout=self.config.session_timeout,
                                        max_length_limit=self.model_config.max_position_embeddings,
                                        client_share=self.config.client_cache_share, cache_wait=self.config.cache_wait)
@@ -90,15 +96,19 @@ class StageServer:
             reaper = asyncio.gather(_reap_forever(sessions), keep_revocations(  # they raise if we are shut out
                 self.node, self.admission, period=self.config.update_period), announcer.wait())
             info = self._make_info(peer_id, start, end, throughput)
-            links = PeerLinks(self.node.p2p, self.admission, timeout=self.config.request_timeout)
+            links = PeerLinks(self.node.p2p, self.admission, timeout=self.config.request_timeout,
+                              observe=self.link_table.observe)
             training = await self._training(blocks, info, links)
             handler = StageHandler(backend, info, sessions, request_timeout=self.config.request_timeout,
                                    identity=self.identity, require_encryption=self.config.require_encryption,
                                    admission=self.admission, training=training)
             await handler.add_p2p_handlers(self.node.p2p)
             addresses = tuple(await visible_maddrs(self.node))  # announced or relayed ones (swarm.discovery)
-            announcer.update(state=PeerState.ONLINE, throughput=throughput, addresses=addresses)
+            announcer.update(state=PeerState.ONLINE, throughput=throughput, addresses=addresses,
+                             forward_seconds=compute.forward if compute else 0.0,
+                             backward_seconds=compute.backward if compute else 0.0)
             self.record = announcer.record
+            probing = asyncio.create_task(self._prober(peer_id, links, announcer).run())
             logger.info(
                 "Serving blocks %d:%d of %s as peer %s (%.0f tokens/s per block); addresses: %s",
                 start, end, self.model_name, peer_id, throughput, " ".join(addresses),
@@ -107,6 +117,9 @@ class StageServer:
             await serve_until(stop, reaper)  # or raise MembershipError: our certificate was revoked or expired
             logger.info("Shutting down: announcing offline")
         finally:
+            if probing is not None:
+                probing.cancel()
+                await asyncio.gather(probing, return_exceptions=True)
             if announcer is not None:
                 await _quietly(announcer.stop(PeerState.OFFLINE), "announce offline")
             if handler is not None:
@@ -122,6 +135,17 @@ class StageServer:
                 links.close()
             await _quietly(self.node.shutdown(), "stop the DHT node")
             logger.info("Stopped")
+
+    def _prober(self, peer_id: str, links: PeerLinks, announcer: Announcer) -> LinkProber:
+        """Probes the other peers of our model that we know nothing of, and publishes our best links."""
+        async def fetch() -> list[PeerRecord]:
+            return await asyncio.wait_for(fetch_records(self.node, self.model_name), self.config.swarm.dht_timeout)
+
+        def publish(rows, wake: bool) -> None:  # each announcement refreshes the rows; new probes: announce now
+            announcer.update(links=rows, wake=wake)
+            self.record = announcer.record
+
+        return LinkProber(self.link_table, links.get, fetch, peer_id, publish)
 
     async def _training(self, blocks, info: StageInfo, links: PeerLinks) -> TrainingRPC | None:
         """The training side, if the operator allows trainers (``--trainers``): it trains the weights we serve."""
@@ -162,22 +186,21 @@ class StageServer:
         logger.info("Chose blocks %d:%d, the least served in a swarm of %d peers", start, end, len(records))
         return start, end
 
-    def _measure(self, blocks) -> float:
+    def _measure(self, blocks) -> Compute:
+        """Forward and backward seconds per token of one block on our device (a 128-token forward), cached."""
         cfg = self.model_config
         key = (f"{cfg.family}-h{cfg.hidden_size}-i{cfg.intermediate_size}-kv{cfg.num_kv_heads}"
                f"-{self.device}-{self.dtype}")
 
-        def measure() -> float:
-            logger.info("Measuring compute throughput of one block (cached in %s)", self.config.cache_dir)
-            hidden = torch.randn(1, MEASURE_TOKENS, cfg.hidden_size, device=self.device, dtype=self.dtype)
-            positions = torch.arange(MEASURE_TOKENS, device=self.device)[None]
-            with torch.inference_mode():
-                seconds = time_per_call(lambda: blocks[0](hidden, positions))
-            return MEASURE_TOKENS / seconds
+        def measure() -> Compute:
+            logger.info("Measuring the forward and backward compute of one block (cached in %s)",
+                        self.config.cache_dir)
+            return measure_block(blocks[0], cfg.hidden_size, self.device, self.dtype)
 
         t0 = time.perf_counter()
-        value = cached_throughput(self.config.cache_dir, key, measure)
-        logger.debug("Throughput %.0f tokens/s per block (%.2f s)", value, time.perf_counter() - t0)
+        value = cached_compute(self.config.cache_dir, key, measure)
+        logger.debug("Compute per token per block: forward %.3g ms, backward %.3g ms (%.2f s)", value.forward * 1e3,
+                     value.backward * 1e3, time.perf_counter() - t0)
         return value
 
     def _make_record(self, peer_id: str, start: int, end: int) -> PeerRecord:
@@ -197,6 +220,43 @@ class StageServer:
             throughput=float(throughput), version=peers.__version__, cache_tokens=self.config.cache_tokens,
             cache_tokens_free=self.config.cache_tokens, session_timeout=self.config.session_timeout,
         )
+
+
+def measure_block(block, hidden_size: int, device: torch.device, dtype: torch.dtype,
+                  tokens: int = MEASURE_TOKENS) -> Compute:
+    """Median forward and backward time of ``block`` on ``tokens`` tokens, per token. The backward is that of the
+    block's input and weights (as in training); the weights' grads are cleared and frozen again afterwards."""
+    hidden = torch.randn(1, tokens, hidden_size, device=device, dtype=dtype)
+    positions = torch.arange(tokens, device=device)[None]
+
+    def synced(fn):  # a GPU runs kernels asynchronously: time them to their end, not to their launch
+        if device.type != "cuda":
+            return fn
+        return lambda: (fn(), torch.cuda.synchronize(device))
+
+    with torch.inference_mode():
+        forward = time_per_call(synced(lambda: block(hidden, positions)))
+    params = list(block.parameters())
+    frozen = [not p.requires_grad for p in params]
+    x = hidden.clone().requires_grad_(True)
+
+    def forward_backward() -> None:
+        out, _ = block(x, positions)
+        out.float().sum().backward()
+
+    try:
+        for p in params:
+            p.requires_grad_(True)
+        with torch.enable_grad():
+            both = time_per_call(synced(forward_backward), repeats=3)
+            graph_forward = time_per_call(synced(lambda: block(x, positions)), repeats=3)
+    finally:
+        for p, was_frozen in zip(params, frozen, strict=True):
+            p.grad = None
+            if was_frozen:
+                p.requires_grad_(False)
+    backward = max(both - graph_forward, forward / 10)  # never 0: a noisy difference of two timings
+    return Compute(forward / tokens, backward / tokens)
 
 
 async def _quietly(coro, what: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 
 from hivemind.p2p import PeerID
@@ -21,8 +22,9 @@ from hivemind.proto.p2pd_pb2 import RPCError
 
 from peers.core.aio import deadline
 from peers.server.backend import StageBackend
-from peers.server.calls import Call, Handler, Responses, StreamCalls, StreamState, reply, tensor_reply
+from peers.server.calls import Call, Handler, Responses, StreamCalls, StreamState, elapsed_ms, reply, tensor_reply
 from peers.server.kv_sessions import SessionRegistry
+from peers.server.probe_calls import ProbeCalls, ProbeLimiter
 from peers.server.session_calls import SessionCalls
 from peers.server.training_calls import TRAINING_KINDS, TrainingCalls
 from peers.server.training_rpc import TrainingRPC, training_refusal
@@ -35,6 +37,7 @@ from peers.wire.messages import (
     InferenceOpen,
     InferenceReply,
     InferenceStep,
+    LinkProbe,
     ParamsFetch,
     ParamsPush,
     StageInfo,
@@ -70,9 +73,11 @@ class StreamHandler(StreamCalls):
         self.open_streams: dict[str, int] = {}  # caller -> its streams open now
         inference = SessionCalls(backend, sessions, info, check_hidden=check_hidden, request_timeout=request_timeout,
                                  require_encryption=require_encryption)
+        self.probes = ProbeCalls(ProbeLimiter(), info, request_timeout=request_timeout,
+                                 require_encryption=require_encryption)
         self.handlers: dict[type, Handler] = {
             ForwardRequest: self.forward, InferenceOpen: inference.open, InferenceStep: inference.steps,
-            InferenceClose: inference.close,
+            InferenceClose: inference.close, LinkProbe: self.probes.probe,
         }
         if training is not None:
             calls = TrainingCalls(training, info, check_hidden=check_hidden, request_timeout=request_timeout,
@@ -219,6 +224,7 @@ class StreamHandler(StreamCalls):
         """A stateless forward through ``[start, end)``: one sealed tensor in, one out."""
         try:
             hidden = await self.read_tensor(call)
+            started = time.perf_counter()  # from here on, the time is ours, not the network's
             self.check_blocks(request.start, request.end)
             self.check_hidden(hidden)
             async with deadline(self.request_timeout):
@@ -227,4 +233,4 @@ class StreamHandler(StreamCalls):
             error = str(e) or f"forward exceeded the deadline of {self.request_timeout:.0f} s"
             logger.info("forward(blocks=%s:%s) refused: %s", request.start, request.end, error)
             return [reply(error=error)]
-        return tensor_reply(output, InferenceReply(), call.stream)
+        return tensor_reply(output, InferenceReply(compute_ms=elapsed_ms(started)), call.stream)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from hivemind.proto import runtime_pb2
 
-from peers.server.calls import Call, Responses, StreamCalls, reply, tensor_reply
+from peers.server.calls import Call, Responses, StreamCalls, elapsed_ms, reply, tensor_reply
 from peers.server.training_rpc import TrainingRPC
 from peers.wire.errors import RequestError
 from peers.wire.messages import (
@@ -82,5 +82,5 @@ class TrainingCalls(StreamCalls):
             logger.info("%s(run=%r, %s) refused: %s", type(request).__name__, request.run_id,
                         getattr(request, "micro_id", getattr(request, "round", "")), e)
             return [reply(error=str(e))]
-        compute_ms = 1e3 * (time.perf_counter() - started)
-        return tensor_reply(output, InferenceReply(step=self.training.step, compute_ms=compute_ms), call.stream)
+        return tensor_reply(output, InferenceReply(step=self.training.step, compute_ms=elapsed_ms(started)),
+                            call.stream)

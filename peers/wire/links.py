@@ -10,15 +10,17 @@ import asyncio
 from hivemind.p2p import P2P
 
 from peers.core.aio import deadline
-from peers.wire.stream import PeerStream
+from peers.wire.stream import Observer, PeerStream
 from privacy.admission import Admission
 
 
 class PeerLinks:
     """Encrypted, admitted streams from this node to others, opened on first use."""
 
-    def __init__(self, p2p: P2P, admission: Admission, *, encrypt: bool = True, timeout: float = 30.0) -> None:
+    def __init__(self, p2p: P2P, admission: Admission, *, encrypt: bool = True, timeout: float = 30.0,
+                 observe: Observer | None = None) -> None:
         self.p2p, self.admission, self.encrypt, self.timeout = p2p, admission, encrypt, timeout
+        self.observe = observe  # every stream tells it the timing of its replies (passive link measurement)
         self._streams: dict[str, PeerStream] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -28,7 +30,8 @@ class PeerLinks:
             if stream is None or stream.closed:
                 async with deadline(self.timeout):
                     stream = self._streams[peer_id] = await PeerStream.connect(
-                        self.p2p, peer_id, encrypt=self.encrypt, timeout=self.timeout, admission=self.admission)
+                        self.p2p, peer_id, encrypt=self.encrypt, timeout=self.timeout, admission=self.admission,
+                        observe=self.observe)
             return stream
 
     def close(self) -> None:

@@ -175,6 +175,15 @@ class TrainBackward(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class LinkProbe(Message):
+    """An active link probe (``peers.wire.probe``): without a tensor, one round trip; with one (at most
+    ``PROBE_MAX_BYTES``), a timed transfer. The reply carries no tensor, only ``compute_ms``. Peers answer a few per
+    caller per minute (``peers.server.probe_calls``)."""
+
+    transfer: bool = False  # True: the message carries the probe's payload
+
+
+@dataclasses.dataclass(frozen=True)
 class InferenceReply(Message):
     """Reply to an open or a step. ``error`` refuses the whole message; ``errors[i]`` refuses part i only
     (its session stays as it was). The tensor holds the outputs of the accepted parts, in order."""
@@ -184,7 +193,10 @@ class InferenceReply(Message):
     length: int = 0  # tokens the session holds after an open
     handshake: bytes = b""  # the peer's handshake reply to a hello
     step: int = 0  # training: optimizer steps this stage has done
-    compute_ms: float = 0.0  # training: time this request spent computing on the peer
+    # the peer's own time on the request, from its tensor read to its reply built (queueing included; 0: not
+    # reported), on forwards, steps, training forwards/backwards and probes: callers subtract it from their wall
+    # time to measure the network (``swarm.links``; never trusted beyond the wall time)
+    compute_ms: float = 0.0
     heartbeat: float = 0.0  # in a hello's reply: the period of the heartbeats the peer will send (0: none)
     alive: bool = False  # a heartbeat: not a reply to any request
 
@@ -192,7 +204,7 @@ class InferenceReply(Message):
 INFERENCE_KINDS: dict[str, type[Message]] = {
     "hello": InferenceHello, "open": InferenceOpen, "step": InferenceStep, "close": InferenceClose,
     "forward": ForwardRequest, "train_open": TrainOpen, "train_forward": TrainForward, "train_backward": TrainBackward,
-    "params_push": ParamsPush, "params_fetch": ParamsFetch, "train_apply": TrainApply,
+    "params_push": ParamsPush, "params_fetch": ParamsFetch, "train_apply": TrainApply, "probe": LinkProbe,
 }
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -39,8 +41,20 @@ from privacy.peer_ids import public_key_of, short_id
 
 logger = logging.getLogger(__name__)
 
+Observer = Callable[[str, float, float, int], None]  # (peer id, wall s, the peer's reported compute s, bytes both ways)
+
 MAX_COALESCED_TOKENS = 512  # rows x new tokens of the steps sent together in one message
 LIVENESS_TIMEOUT = 3.0  # seconds of silence (no reply, no heartbeat) with requests pending: the peer is gone
+
+
+@dataclass(eq=False)
+class _Due:
+    """A reply we wait for: its future and timer, and what a link sample needs (``sent`` is None: no sample)."""
+
+    future: asyncio.Future
+    timer: asyncio.TimerHandle | None
+    began: float = 0.0  # ``time.perf_counter()`` when the request was queued (uvloop's clock counts whole ms)
+    sent: int | None = None  # bytes of the request, if it had the stream to itself (no reply due before it)
 
 
 @dataclass(eq=False)
@@ -55,11 +69,12 @@ class _Step:
 class PeerStream:
     """One stream to ``peer_id``; create with ``await PeerStream.connect(...)``."""
 
-    def __init__(self, p2p: P2P, peer_id: str) -> None:
+    def __init__(self, p2p: P2P, peer_id: str, observe: Observer | None = None) -> None:
         self.p2p, self.peer_id = p2p, peer_id
+        self.observe = observe  # told each reply's timing: passive link measurement (``swarm.links``)
         self.closed = False
         self._outbox: asyncio.Queue = asyncio.Queue()
-        self._waiting: deque[tuple[asyncio.Future, asyncio.TimerHandle | None]] = deque()  # replies due, in order
+        self._waiting: deque[_Due] = deque()  # replies due, in order
         self._pending: list[_Step] = []
         self._in_flight = False
         self._flush_scheduled = False
@@ -73,7 +88,8 @@ class PeerStream:
 
     @classmethod
     async def connect(cls, p2p: P2P, peer_id: str, *, encrypt: bool = True, timeout: float = 30.0,
-                      admission: Admission | None = None, liveness_timeout: float = LIVENESS_TIMEOUT) -> PeerStream:
+                      admission: Admission | None = None, liveness_timeout: float = LIVENESS_TIMEOUT,
+                      observe: Observer | None = None) -> PeerStream:
         """Open the stream; with ``encrypt``, agree on keys with the peer whose public key is ``peer_id``.
 
         Every tensor on an encrypted stream is sealed with AES-GCM under keys only this client and that peer
@@ -81,9 +97,13 @@ class PeerStream:
         also carries ``admission``'s proof (a private swarm's membership proof, bound to this handshake) and asks
         for heartbeats: while a request is pending, a peer that sends nothing for ``liveness_timeout`` seconds
         is taken for gone (a peer that dies closes the stream, which fails the pending requests at once).
+
+        ``observe(peer_id, wall, compute, nbytes)`` is told the timing of each reply that reports the peer's own
+        time on it (``InferenceReply.compute_ms`` > 0), for requests sent while no other reply was due (a request
+        queued behind another would count the other's compute as network time).
         """
         admission = admission or Admission()
-        stream = cls(p2p, peer_id)
+        stream = cls(p2p, peer_id, observe)
         _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), INFERENCE_HANDLE)
         stream._start(reader, writer)
         try:
@@ -92,7 +112,7 @@ class PeerStream:
             hello = handshake.hello() if handshake else b""
             proof = admission.proof(proof_context("rpc_inference", peer_key, hello)) if admission.required else b""
             metadata = pack_inference(InferenceHello(hello=hello, proof=proof, heartbeat=True))
-            reply, _ = await stream._request(metadata, None, timeout)
+            reply, _ = await stream._request(metadata, None, timeout, observe=False)
             if reply.error:
                 error = MembershipError if reply.error.startswith("not admitted") else ChannelError
                 raise error(f"peer {short_id(peer_id)} refused the stream: {reply.error}")
@@ -115,6 +135,17 @@ class PeerStream:
         stream._start(reader, writer)
         return stream
 
+    def send_raw(self, messages: list[runtime_pb2.ExpertRequest], *, hang_up: bool = False) -> asyncio.Future:
+        """Queue hand-made ``messages`` as they are and return the future of the next reply (``hang_up``: end the
+        stream after them); for tests of what peers refuse (truncated, tampered or replayed requests)."""
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append(_Due(future, None))
+        for message in messages:
+            self._outbox.put_nowait(message)
+        if hang_up:
+            self._outbox.put_nowait(None)
+        return future
+
     def _start(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._replies = IncomingFrames(reader, runtime_pb2.ExpertResponse, max_queued=64,
                                        name=f"stream to peer {short_id(self.peer_id)}")
@@ -130,10 +161,11 @@ class PeerStream:
                                f"{reply.error or 'no output in the reply'}")
         return output
 
-    async def call(self, message: Message, tensor: torch.Tensor | None, timeout: float
+    async def call(self, message: Message, tensor: torch.Tensor | None, timeout: float, *, observe: bool = True
                    ) -> tuple[InferenceReply, torch.Tensor | None]:
-        """Send one request (e.g. a training call) and return its reply; ``RequestError`` if it was refused."""
-        reply, output = await self._request(pack_inference(message), tensor, timeout)
+        """Send one request (e.g. a training call) and return its reply; ``RequestError`` if it was refused.
+        ``observe=False``: its timing is not a passive link sample (a probe reports its own)."""
+        reply, output = await self._request(pack_inference(message), tensor, timeout, observe=observe)
         if reply.error:
             raise RequestError(f"peer {short_id(self.peer_id)} refused {type(message).__name__}: {reply.error}")
         return reply, output
@@ -167,11 +199,11 @@ class PeerStream:
                 step.future.set_exception(error)
         self._pending.clear()
         while self._waiting:
-            future, timer = self._waiting.popleft()
-            if timer is not None:
-                timer.cancel()
-            if not future.done():
-                future.set_exception(error)
+            due = self._waiting.popleft()
+            if due.timer is not None:
+                due.timer.cancel()
+            if not due.future.done():
+                due.future.set_exception(error)
         self._outbox.put_nowait(None)  # the writer sends the end of stream, then closes
         for task in (self._reader, self._watchdog):
             if task is not None and task is not asyncio.current_task():
@@ -235,21 +267,21 @@ class PeerStream:
                         step.future.set_result(next(outputs))
         self._schedule_flush()
 
-    async def _request(self, metadata: bytes, hidden: torch.Tensor | None, timeout: float):
+    async def _request(self, metadata: bytes, hidden: torch.Tensor | None, timeout: float, *, observe: bool = True):
         """Send one request and wait for its reply ``(InferenceReply, tensor or None)``."""
         if self.closed:
             raise ConnectionError(f"stream to peer {short_id(self.peer_id)} is closed")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         timer = loop.call_later(timeout, self._expire, future, timeout)
-        if not self._waiting:
+        alone = not self._waiting
+        if alone:
             self._idle_until = loop.time()  # silence before this request does not count against the peer
-        self._waiting.append((future, timer))
-        if hidden is None:
-            self._outbox.put_nowait(_message(metadata))
-        else:
-            for message in tensor_messages(hidden, metadata, seal=self._seal):
-                self._outbox.put_nowait(message)
+        messages = [_message(metadata)] if hidden is None else list(tensor_messages(hidden, metadata, seal=self._seal))
+        sent = sum(m.ByteSize() for m in messages) if alone and observe and self.observe is not None else None
+        self._waiting.append(_Due(future, timer, time.perf_counter(), sent))
+        for message in messages:
+            self._outbox.put_nowait(message)
         return await future
 
     @property
@@ -309,11 +341,12 @@ class PeerStream:
                     _, output = await read_tensor_messages(replies, MAX_REPLY_BYTES, first=first, unseal=self._unseal)
                 if not self._waiting:
                     raise ConnectionError("the peer sent a reply nobody asked for")
-                future, timer = self._waiting.popleft()
-                if timer is not None:
-                    timer.cancel()
-                if not future.done():
-                    future.set_result((reply, output))
+                due = self._waiting.popleft()
+                if due.timer is not None:
+                    due.timer.cancel()
+                self._sample(due, reply, first, output)
+                if not due.future.done():
+                    due.future.set_result((reply, output))
             end = self._replies.end.error if self._replies.end is not None else ""
             reason = f"peer {short_id(self.peer_id)} closed the stream"
             self.shutdown(ConnectionError(f"{reason}: {end}" if end else reason))
@@ -325,6 +358,19 @@ class PeerStream:
         finally:
             if self._writer is None or self._writer.done():
                 self._out.close()
+
+
+    def _sample(self, due: _Due, reply: InferenceReply, first: runtime_pb2.ExpertResponse,
+                output: torch.Tensor | None) -> None:
+        """Tell ``observe`` the timing of a reply that reports the peer's time on it (a passive link sample)."""
+        if due.sent is None or self.observe is None or reply.error or not reply.compute_ms > 0:
+            return
+        wall = time.perf_counter() - due.began
+        received = first.ByteSize() + (output.numel() * output.element_size() if output is not None else 0)
+        try:
+            self.observe(self.peer_id, wall, reply.compute_ms / 1e3, due.sent + received)
+        except Exception as e:  # a measurement must never break the stream
+            logger.debug("Link observer failed: %r", e)
 
 
 def _message(metadata: bytes) -> runtime_pb2.ExpertRequest:

@@ -20,7 +20,13 @@ from swarm.records import PeerRecord, PeerState
 PEER_ID = "12D3KooW" + "A" * 44
 GOOD = dict(peer_id=PEER_ID, model="llama-tiny", start=0, end=4, state="online", throughput=12.5, device="cpu",
             dtype="float32", public_name="", version="0.1.0", addresses=["/ip4/127.0.0.1/tcp/1"], max_batch_size=8,
-            wire=1)
+            wire=1, forward_seconds=1e-4, backward_seconds=3e-4,
+            links=[{"peer": "12D3KooW" + "B" * 44, "bw": 95e6, "rtt": 0.0012, "age": 3.0, "src": "probe"}])
+LINK_ROWS = st.fixed_dictionaries({}, optional={
+    "peer": st.sampled_from([PEER_ID, "12D3KooW" + "B" * 44, ""]) | st.text(max_size=90),
+    "bw": st.floats() | INTS, "rtt": st.floats() | INTS, "age": st.floats() | INTS,
+    "src": st.sampled_from(["passive", "probe", "default"]) | st.text(max_size=8),
+}).flatmap(lambda row: st.dictionaries(st.text(max_size=4), SCALARS, max_size=1).map(lambda x: {**x, **row}))
 
 # hivemind's serializer also yields tuples (ext 0x40), and its msgpack reads into every scalar, list and map
 HIVEMIND_VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.lists(inner, max_size=3)
@@ -32,6 +38,8 @@ FIELD_VALUES = {
     "throughput": st.floats() | INTS, "dtype": st.sampled_from(["float32", "bfloat16", "int8"]),
     "addresses": st.lists(st.text(max_size=20), max_size=3) | st.text(max_size=20).map(tuple),
     "max_batch_size": INTS, "wire": INTS, "device": st.text(max_size=300),
+    "forward_seconds": st.floats() | INTS, "backward_seconds": st.floats() | INTS,
+    "links": st.lists(LINK_ROWS | SCALARS, max_size=10) | LINK_ROWS,
 }
 
 

@@ -96,10 +96,7 @@ def test_truncated_stream_is_refused(llama_client):
         metadata = pack_inference(ForwardRequest(start=0, end=4))
         messages = list(tensor_messages(torch.randn(4, 1200, 64), metadata, seal=stream._seal))
         assert len(messages) > 1
-        future = asyncio.get_running_loop().create_future()
-        stream._waiting.append((future, None))
-        stream._outbox.put_nowait(messages[0])
-        stream._outbox.put_nowait(None)  # hang up after the first chunk
+        future = stream.send_raw(messages[:1], hang_up=True)  # hang up after the first chunk
         reply, _ = await asyncio.wait_for(future, 10)
         return reply.error
 

@@ -107,11 +107,7 @@ def _forged_step(client, stream: PeerStream, span: SpanSession, hidden: torch.Te
         metadata = pack_inference(InferenceStep(session_ids=[span.session_id], positions=[span.length]))
         messages = list(tensor_messages(hidden, metadata, seal=stream._seal))
         mutate(messages)
-        future = asyncio.get_running_loop().create_future()
-        stream._waiting.append((future, asyncio.get_running_loop().call_later(10, lambda: None)))
-        for message in messages:
-            stream._outbox.put_nowait(message)
-        reply, _ = await future
+        reply, _ = await asyncio.wait_for(stream.send_raw(messages), 10)
         return reply.error
 
     return client.loop.run(go())

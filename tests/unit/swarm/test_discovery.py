@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import pytest
@@ -11,7 +12,7 @@ from hivemind.utils import get_dht_time
 from swarm.announcer import Announcer
 from swarm.discovery import announce, fetch_records, start_node, visible_maddrs
 from swarm.keys import peers_key
-from swarm.records import PeerRecord, PeerState
+from swarm.records import LinkRow, PeerRecord, PeerState
 
 MODEL = "llama-tiny"
 HOST = ("/ip4/127.0.0.1/tcp/0",)
@@ -168,3 +169,43 @@ def test_announcer_keeps_record_alive_then_leaves_offline():
     assert joining == still == [rec("A", state=PeerState.JOINING, throughput=0.0)]
     assert online == [rec("A", state=PeerState.ONLINE, throughput=42.0)]
     assert offline == later == [rec("A", state=PeerState.OFFLINE, throughput=42.0)]
+
+
+def test_announcer_refreshes_aging_fields_before_each_announcement():
+    """A peer's link table ages between announcements: each heartbeat announces fresh rows; a failing refresh
+    announces the record as it was."""
+    period = 0.3
+    rows = iter([(), (LinkRow("12D3KooW" + "B" * 44, 1e8, 0.001, 0.5),), (LinkRow("12D3KooW" + "B" * 44, 1e8, 0.001,
+                                                                                1.0),)])
+
+    def refresh(record: PeerRecord) -> PeerRecord:
+        try:
+            return dataclasses.replace(record, links=next(rows))
+        except StopIteration:
+            raise RuntimeError("no more rows") from None
+
+    async def body(first, second):
+        announcer = Announcer(first, rec("A"), period=period, refresh=refresh)
+        await announcer.start()
+
+        async def ages() -> tuple[float, ...]:
+            return tuple(row.age for row in (await fetch_records(second, MODEL))[0].links)
+
+        async def until(expected: tuple[float, ...]) -> tuple[float, ...]:
+            for _ in range(100):  # heartbeats may be late under load: wait for them, not for a fixed time
+                if (found := await ages()) == expected:
+                    break
+                await asyncio.sleep(period / 4)
+            return found
+
+        try:
+            seen = [await ages()]
+            seen += [await until((0.5,)), await until((1.0,))]
+            await asyncio.sleep(3 * period)  # heartbeats whose refresh fails
+            seen.append(await ages())
+        finally:
+            await announcer.stop()
+        return seen
+
+    seen = with_nodes(body)
+    assert seen == [(), (0.5,), (1.0,), (1.0,)]  # fresh rows each heartbeat; a failed refresh keeps the last

@@ -133,3 +133,31 @@ def test_time_per_call_real_clock():
     seconds = time_per_call(fn)
     assert len(calls) == 6  # 1 warmup + 5 repeats
     assert 0.0015 < seconds < 0.5
+
+
+@pytest.mark.parametrize(
+    "content",
+    [None, "{}", '{"compute:k": {"forward": -1, "backward": 2}}', '{"compute:k": 5}', '{"compute:k": {"forward": 1}}',
+     '{"compute:k": {"forward": "1", "backward": 2}}', '{"compute:k": {"forward": NaN, "backward": 2}}'],
+)
+def test_cached_compute_measures_once(tmp_path, content):
+    """Absent or invalid: measured and written; then read back without measuring, beside the throughput."""
+    if content is not None:
+        cache_file(tmp_path).write_text(content)
+    calls = []
+
+    def measure_it() -> measure.Compute:
+        calls.append(1)
+        return measure.Compute(1e-4, 3e-4)
+
+    assert measure.cached_compute(tmp_path, "k", measure_it) == measure.Compute(1e-4, 3e-4)
+    assert measure.cached_compute(tmp_path, "k", measure_it) == measure.Compute(1e-4, 3e-4)
+    assert len(calls) == 1
+    assert cached_throughput(tmp_path, "t", Measure(5.0)) == 5.0  # one file for both
+    assert json.loads(cache_file(tmp_path).read_text())["compute:k"] == {"forward": 1e-4, "backward": 3e-4}
+
+
+@pytest.mark.parametrize("forward, backward", [(0.0, 1.0), (1.0, -1.0), (float("nan"), 1.0), (1.0, float("inf"))])
+def test_compute_must_be_positive(forward, backward):
+    with pytest.raises(ValueError, match="compute must be a positive number"):
+        measure.Compute(forward, backward)

@@ -8,10 +8,16 @@ import math
 import msgpack
 import pytest
 
-from swarm.records import WIRE_VERSION, PeerRecord, PeerState
+from swarm.records import MAX_LINKS, WIRE_VERSION, LinkRow, PeerRecord, PeerState
 
 PEER_A = "12D3KooW" + "A" * 44
 PEER_B = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+
+
+def link(n: int = 0, **changes) -> LinkRow:
+    fields = dict(peer_id="12D3KooW" + "BCDEFGHJKLMN"[n] * 44, bandwidth=95e6, rtt=0.0012, age=3.5, source="probe")
+    fields.update(changes)
+    return LinkRow(**fields)
 
 
 def make(**changes) -> PeerRecord:
@@ -35,6 +41,10 @@ def wire(**changes) -> dict:
         make(state=PeerState.OFFLINE, dtype="float16", version="0.1.0", max_batch_size=16),
         make(addresses=("/ip4/1.2.3.4/tcp/31337/p2p/" + PEER_A, "/ip6/::1/tcp/5/p2p/" + PEER_A)),
         make(throughput=12, start=0, end=1),  # an int throughput is a number too
+        make(forward_seconds=2.5e-5, backward_seconds=6e-5),
+        make(links=(link(0),)),
+        make(links=tuple(link(i, bandwidth=0.0 if i % 2 else 1e9 * i, source="passive") for i in range(MAX_LINKS))),
+        make(links=(link(0, bandwidth=0, rtt=0, age=0),)),  # ints are numbers; 0 bandwidth: only the rtt known
     ],
 )
 def test_wire_round_trip(record):
@@ -105,6 +115,19 @@ def test_properties():
         {"addresses": ["/ip4/1.2.3.4/tcp/1"]},  # a list, not a tuple
         {"addresses": ("/ip4/1.2.3.4/tcp/1", 5)},
         {"addresses": (None,)},
+        # measured compute (seconds per token per block)
+        {"forward_seconds": -1e-6},
+        {"forward_seconds": math.nan},
+        {"forward_seconds": math.inf},
+        {"forward_seconds": 3601.0},
+        {"backward_seconds": "0.1"},
+        {"backward_seconds": None},
+        {"backward_seconds": True},
+        # links: a tuple of at most MAX_LINKS LinkRow, one per neighbour
+        {"links": [link(0)]},  # a list, not a tuple
+        {"links": (link(0), {"peer": "x"})},
+        {"links": tuple(link(i) for i in range(MAX_LINKS + 1))},
+        {"links": (link(0), link(0, rtt=0.5))},  # the same neighbour twice
         # batch size
         {"max_batch_size": 0},
         {"max_batch_size": -3},
@@ -166,6 +189,28 @@ def test_from_wire_missing_key(key):
         ({"addresses": "/ip4/1.2.3.4/tcp/1"}, "addresses must be a list"),  # must not be split into characters
         ({"addresses": 5}, "addresses must be a list"),
         ({"addresses": {"/ip4/1.2.3.4/tcp/1": 1}}, "addresses must be a list"),
+        ({"forward_seconds": -0.5}, "bad forward_seconds"),
+        ({"backward_seconds": math.nan}, "bad backward_seconds"),
+        ({"backward_seconds": [1.0]}, "bad backward_seconds of type list"),
+        ({"links": "12D3KooW"}, "links must be a list"),
+        ({"links": {"peer": 1}}, "links must be a list"),
+        ({"links": [link().to_wire()] * (MAX_LINKS + 1)}, "9 links, at most 8"),
+        ({"links": [[1, 2, 3, 4]]}, "a link must be a dict"),
+        ({"links": [None]}, "a link must be a dict"),
+        ({"links": [{"peer": link().peer_id, "bw": 1.0, "rtt": 1.0}]}, r"a link lacks \['age'\]"),
+        ({"links": [{**link().to_wire(), "peer": "nope"}]}, "bad link peer_id 'nope'"),
+        ({"links": [{**link().to_wire(), "peer": ["x"] * 10}]}, "bad link peer_id of type list"),
+        ({"links": [{**link().to_wire(), "bw": -1.0}]}, "bad link bandwidth"),
+        ({"links": [{**link().to_wire(), "bw": 1e14}]}, "bad link bandwidth"),
+        ({"links": [{**link().to_wire(), "bw": math.inf}]}, "bad link bandwidth"),
+        ({"links": [{**link().to_wire(), "rtt": math.nan}]}, "bad link rtt"),
+        ({"links": [{**link().to_wire(), "rtt": 601.0}]}, "bad link rtt"),
+        ({"links": [{**link().to_wire(), "rtt": "1"}]}, "bad link rtt"),
+        ({"links": [{**link().to_wire(), "age": -1}]}, "bad link age"),
+        ({"links": [{**link().to_wire(), "age": False}]}, "bad link age"),
+        ({"links": [{**link().to_wire(), "src": "rumour"}]}, "bad link source 'rumour'"),
+        ({"links": [{**link().to_wire(), "src": None}]}, "bad link source"),
+        ({"links": [link(0).to_wire(), link(0).to_wire()]}, "links name a neighbour twice"),
     ],
     ids=repr,
 )
@@ -200,6 +245,35 @@ def test_from_wire_fills_optional_fields_with_defaults():
     assert record.dtype == defaults["dtype"] == "float32"
     assert record.max_batch_size == 1
     assert record.wire == WIRE_VERSION
+    assert (record.forward_seconds, record.backward_seconds, record.links) == (0.0, 0.0, ())  # an older peer's
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        {**link().to_wire(), "jitter": 0.1},  # newer fields of a row are ignored
+        {key: value for key, value in link().to_wire().items() if key != "src"},  # no source: passive
+    ],
+)
+def test_link_rows_are_forward_compatible(row):
+    parsed = PeerRecord.from_wire(wire(links=[row])).links[0]
+    assert (parsed.peer_id, parsed.bandwidth, parsed.rtt, parsed.age) == (link().peer_id, 95e6, 0.0012, 3.5)
+    assert parsed.source == row.get("src", "passive")
+
+
+@pytest.mark.parametrize(
+    "changes, forward, backward",
+    [
+        ({"throughput": 200.0}, 0.005, 0.01),  # an older peer: from its throughput, backward 2x
+        ({"throughput": 200.0, "forward_seconds": 0.001}, 0.001, 0.002),
+        ({"throughput": 200.0, "forward_seconds": 0.001, "backward_seconds": 0.003}, 0.001, 0.003),
+        ({"throughput": 0.0}, 0.01, 0.02),  # nothing known: a slow CPU
+    ],
+)
+def test_compute_per_block_with_conservative_defaults(changes, forward, backward):
+    record = make(**changes)
+    assert record.seconds_per_block == pytest.approx(forward)
+    assert record.backward_seconds_per_block == pytest.approx(backward)
 
 
 def test_record_is_frozen():

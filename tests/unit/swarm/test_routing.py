@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import random
 
 import pytest
 
 import swarm.routing as routing
-from swarm.records import PeerRecord, PeerState
+from swarm.records import DEFAULT_SECONDS_PER_BLOCK, PeerRecord, PeerState
 from swarm.routing import DEFAULT_RTT, Hop, MissingBlocksError, Router, make_chain
 
 ON, JOIN, OFF, BACK = PeerState.ONLINE, PeerState.JOINING, PeerState.OFFLINE, PeerState.BACKUP
@@ -227,28 +228,59 @@ def test_success_lifts_ban_and_resets_backoff(clock, failures):
 
 
 @pytest.mark.parametrize(
-    "rtts, expected",
+    "samples, expected",
     [
-        ([0.1], 0.1),
-        ([0.1, 0.2], 0.8 * 0.1 + 0.2 * 0.2),
-        ([0.1, 0.2, 0.3], 0.8 * (0.8 * 0.1 + 0.2 * 0.2) + 0.2 * 0.3),
-        ([0.05, None], 0.05),  # a success without a measurement keeps the estimate
-        ([None, 0.07], 0.07),
-        ([1.0] * 5, 1.0),
+        ([(0.1, 0.0)], 0.1),
+        ([(0.1, 0.0), (0.2, 0.0)], 0.15),
+        ([(0.3, 0.2)], 0.1),  # the peer's reported compute is not network time
+        ([(0.3, 0.2), (0.5, 0.4)], 0.1),
+        ([(0.01, 5.0)], 0.0),  # compute is never trusted beyond the wall time
+        ([(0.05, float("nan")), (0.07, 0.0)], 0.07),  # an invalid report makes no sample
+        ([(1.0, 0.0)] * 5, 1.0),
     ],
 )
-def test_rtt_ema(rtts, expected):
+def test_router_rtt_is_network_time(samples, expected):
     r = router()
-    for rtt in rtts:
-        r.on_success(pid("A"), rtt)
+    for wall, compute in samples:
+        r.observe(pid("A"), wall, compute, 200)
     assert r.rtt[pid("A")] == pytest.approx(expected)
     assert pid("B") not in r.rtt
 
 
-def test_success_without_rtt_does_not_create_an_estimate():
+def test_success_without_timing_does_not_create_an_estimate():
     r = router()
     r.on_success(pid("A"))
     assert r.rtt == {}
+
+
+def test_router_counts_compute_once(clock):
+    """A peer whose compute dominates its hop (slow blocks, near) against one whose network does (fast blocks,
+    far). Network time: A's hop costs 0.01 + 8 * 0.05 = 0.41 s, B's 0.5 + 8 * 0.001 = 0.508 s: A is faster. Taking
+    the whole hop time for the round trip (the old router) counted A's compute twice (0.81 s) and chose B."""
+    fetch = FakeFetch([rec("A", 0, 8, throughput=20.0), rec("B", 0, 8, throughput=1000.0)])
+    r = router(fetch)
+    for _ in range(3):
+        r.observe(pid("A"), 0.41, 0.40, 200)  # wall time, the peer's reported compute, bytes
+        r.observe(pid("B"), 0.508, 0.008, 200)
+
+    assert asyncio.run(r.make_chain(0, 8)) == hops(("A", 0, 8))
+    assert r.rtt[pid("A")] == pytest.approx(0.01) and r.rtt[pid("B")] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(
+    "record, seconds",
+    [
+        (rec("A", 0, 8, throughput=50.0), 0.02),  # an older peer: from its throughput
+        (dataclasses.replace(rec("A", 0, 8, throughput=50.0), forward_seconds=0.004), 0.004),  # measured wins
+        (rec("A", 0, 8, throughput=0.0), DEFAULT_SECONDS_PER_BLOCK),  # nothing known: the conservative default
+    ],
+)
+def test_make_chain_takes_compute_from_the_record(record, seconds):
+    """The chain's cost per block is the record's forward compute: a far but fast peer loses to a near slow one
+    exactly when its extra round trip outweighs the compute it saves."""
+    other = rec("B", 0, 8, throughput=1.0 / (seconds + 0.001))  # 1 ms per block slower than A
+    assert make_chain([record, other], 0, 8, rtt={pid("A"): 0.0079, pid("B"): 0.0}) == hops(("A", 0, 8))
+    assert make_chain([record, other], 0, 8, rtt={pid("A"): 0.0081, pid("B"): 0.0}) == hops(("B", 0, 8))
 
 
 def test_router_make_chain_refreshes_once_when_snapshot_lacks_blocks(clock):
@@ -312,8 +344,8 @@ def test_router_make_chain_avoids_banned_and_prefers_measured_rtt(clock):
     r = router(fetch)
 
     async def main():
-        r.on_success(pid("A"), 0.5)
-        r.on_success(pid("B"), 0.001)
+        r.observe(pid("A"), 0.6, 0.1, 200)  # 0.5 s of network time
+        r.observe(pid("B"), 0.011, 0.01, 200)
         r.on_failure(pid("B"))
         banned_b = await r.make_chain(0, 8)
         clock.now += 1.01  # B's ban ends

@@ -9,6 +9,7 @@ import socket
 import torch
 from hivemind.proto import runtime_pb2
 
+from peers.wire.errors import RequestError
 from peers.wire.framing import IncomingFrames, encode
 from peers.wire.messages import InferenceReply, InferenceStep, unpack_inference
 from peers.wire.stream import PeerStream
@@ -72,3 +73,45 @@ def test_a_peer_that_goes_away_fails_every_pending_step_at_once():
 
     results, closed = asyncio.run(go())
     assert closed and all(isinstance(r, ConnectionError) for r in results), results
+
+
+async def _timed_peer(reader, writer, replies: list[InferenceReply], delay: float) -> None:
+    """Answers each request with the next of ``replies`` (and the request's tensor back), after ``delay`` s."""
+    requests = IncomingFrames(reader, runtime_pb2.ExpertRequest)
+    for reply in replies:
+        first = await requests.get()
+        if first is None:
+            break
+        _, hidden = await read_tensor_messages(requests, 1 << 30, first=first)
+        await asyncio.sleep(delay)
+        writer.write(b"".join(encode(m) for m in tensor_messages(hidden, reply.to_bytes(), runtime_pb2.ExpertResponse)))
+        await writer.drain()
+    writer.close()
+
+
+def test_the_observer_gets_wall_time_and_the_peers_reported_compute():
+    """Passive link samples: only for replies that report the peer's time, without an error, to requests that had
+    the stream to themselves (one queued behind another would count the other's compute as network)."""
+    replies = [InferenceReply(compute_ms=30.0), InferenceReply(), InferenceReply(error="no", compute_ms=5.0),
+               InferenceReply(compute_ms=30.0), InferenceReply(compute_ms=30.0)]
+    samples = []
+
+    async def go():
+        (reader, writer), (peer_reader, peer_writer) = await _pair()
+        peer = asyncio.create_task(_timed_peer(peer_reader, peer_writer, replies, delay=0.04))
+        stream = PeerStream(None, PEER, observe=lambda *sample: samples.append(sample))
+        stream._start(reader, writer)
+        for _ in range(3):
+            try:
+                await stream.call(InferenceStep(session_ids=["s"], positions=[0]), torch.zeros(1, 1, 4), 10)
+            except RequestError:  # the third: refused
+                pass
+        await asyncio.gather(*(stream.call(InferenceStep(session_ids=["s"], positions=[0]), torch.zeros(1, 1, 4), 10)
+                               for _ in range(2)))  # the second waits behind the first
+        stream.shutdown()
+        await asyncio.wait_for(peer, 10)
+
+    asyncio.run(go())
+    assert len(samples) == 2, samples  # the first call, and the first of the two sent together
+    for peer_id, wall, compute, nbytes in samples:
+        assert peer_id == PEER and compute == 0.03 and wall >= 0.04 and 2 * 16 < nbytes < 400

@@ -1,0 +1,81 @@
+"""``LinkProber``: a peer measures its links to the other peers of its model and publishes the best in its record.
+
+Passive samples come from its own streams (replica traffic; ``PeerLinks(observe=...)``); a peer it has no estimate
+for (or whose estimate is older than ``REPROBE_AGE``) gets an active probe (``peers.wire.probe``): when this peer
+joins, then at most once per ``period`` per neighbour. Probes are sequential, a few per round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable
+
+from peers.wire.probe import probe_link
+from peers.wire.stream import PeerStream
+from privacy.peer_ids import short_id
+from swarm.links import LinkTable
+from swarm.records import LinkRow, PeerRecord, PeerState
+
+logger = logging.getLogger(__name__)
+
+PROBE_PERIOD = 60.0  # seconds between rounds (jittered)
+REPROBE_AGE = 600.0  # seconds: an estimate older than this is probed again
+MAX_PROBES_PER_ROUND = 8
+PROBE_TIMEOUT = 15.0  # seconds for one whole probe
+
+
+class LinkProber:
+    """Probes the neighbours ``fetch`` lists that ``table`` knows nothing (recent) of, and calls ``publish`` with
+    the table's best rows after each round."""
+
+    def __init__(self, table: LinkTable, stream_for: Callable[[str], Awaitable[PeerStream]],
+                 fetch: Callable[[], Awaitable[list[PeerRecord]]], own_id: str,
+                 publish: Callable[[tuple[LinkRow, ...], bool], None], *, period: float = PROBE_PERIOD) -> None:
+        self.table, self.stream_for, self.fetch, self.own_id = table, stream_for, fetch, own_id
+        self.publish, self.period = publish, period
+        self.probed = 0  # probes that succeeded (for tests and logs)
+
+    def targets(self, records: list[PeerRecord]) -> list[str]:
+        """Online peers of the model, not us, without a recent estimate with a bandwidth: the ones to probe."""
+        found = []
+        for record in records:
+            if record.peer_id == self.own_id or record.state != PeerState.ONLINE:
+                continue
+            known = self.table.get(record.peer_id)
+            if known is None or not known.bandwidth_known or known.age > REPROBE_AGE:
+                found.append(record.peer_id)
+        return found[:MAX_PROBES_PER_ROUND]
+
+    async def round(self) -> int:
+        """One round: probe the targets one by one, then publish; returns how many probes succeeded."""
+        try:
+            records = await self.fetch()
+        except Exception as e:
+            logger.debug("Link probes: could not fetch the swarm's records: %r", e)
+            return 0
+        done = 0
+        for peer_id in self.targets(records):
+            try:
+                stream = await asyncio.wait_for(self.stream_for(peer_id), PROBE_TIMEOUT)
+                result = await asyncio.wait_for(probe_link(stream, timeout=PROBE_TIMEOUT), PROBE_TIMEOUT)
+            except Exception as e:  # gone, refusing (rate limit, an older peer): try again next round
+                logger.info("Link probe to %s failed (tried again next round): %s", short_id(peer_id), e)
+                continue
+            self.table.observe_probe(peer_id, result.round_trips, result.nbytes, result.transfer_wall,
+                                     result.transfer_compute)
+            known = self.table.get(peer_id)
+            if known is not None:
+                logger.info("Link to %s: %.3g Mbit/s, round trip %.2f ms (probe)", short_id(peer_id),
+                            known.bandwidth / 1e6, known.rtt * 1e3)
+            done += 1
+        self.probed += done
+        self.publish(self.table.best_rows(), done > 0)
+        return done
+
+    async def run(self) -> None:
+        """Rounds forever: the first at once (a joining peer), then every ``period`` seconds (jittered)."""
+        while True:
+            await self.round()
+            await asyncio.sleep(self.period * random.uniform(0.8, 1.2))
