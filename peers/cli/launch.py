@@ -2,6 +2,10 @@
 
 Each process runs in its own session (process group), so that stopping it also stops the p2p daemon it
 spawned; every process is tracked by PID and stopped by ``LocalSwarm.close()``, also after a failure.
+
+A process may run inside a network namespace (``netns``: ``ip netns exec NETNS python -m peers.cli ...``), e.g. a host
+of ``swarm.testbed``; ``LocalSwarm``'s ``host=`` (anything with ``.netns`` and ``.address``, such as a testbed
+``Host``) places a process there and has it listen on ``/ip4/ADDRESS/tcp/0`` instead of 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 from peers.core.config import SwarmConfig
 from privacy.identity import Identity
@@ -22,17 +27,33 @@ from privacy.peer_ids import peer_id_of
 
 READY_PEER = re.compile(r"Serving blocks (\d+):(\d+) of \S+ as peer (\w+)")
 READY_DHT = re.compile(r"--initial_peers (.+)$", re.MULTILINE)
+LOOPBACK = "127.0.0.1"
+
+
+class Placement(Protocol):
+    """Where a process runs: a network namespace and the address it listens on there (a testbed ``Host``)."""
+
+    @property
+    def netns(self) -> str: ...
+
+    @property
+    def address(self) -> str: ...
+
+
+def netns_prefix(netns: str | None) -> list[str]:
+    """The argv prefix that runs a command inside ``netns`` (nothing for this namespace)."""
+    return ["ip", "netns", "exec", netns] if netns else []
 
 
 class SwarmProcess:
-    """One ``swarm ...`` subprocess whose output goes to a log file."""
+    """One ``swarm ...`` subprocess whose output goes to a log file (inside network namespace ``netns`` if given)."""
 
-    def __init__(self, args: Sequence[str], log_path: Path, name: str) -> None:
-        self.name, self.log_path = name, Path(log_path)
+    def __init__(self, args: Sequence[str], log_path: Path, name: str, netns: str | None = None) -> None:
+        self.name, self.log_path, self.netns = name, Path(log_path), netns
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "peers.cli", *args],
+                [*netns_prefix(netns), sys.executable, "-m", "peers.cli", *args],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             )
         self.pid = self.popen.pid
@@ -146,10 +167,13 @@ class LocalSwarm:
             return self.member_flags(name)
         return ["--identity_path", str(self.trainer_identity(name))]
 
-    def start_dht(self, timeout: float = 60.0) -> list[str]:
-        proc = self._spawn(["dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0", *self.member_flags("dht")], "dht")
+    def start_dht(self, timeout: float = 60.0, host: Placement | None = None) -> list[str]:
+        """The bootstrap peer (in ``host`` if given, listening on its address); returns ``initial_peers``."""
+        address = host.address if host is not None else LOOPBACK
+        proc = self._spawn(["dht", "--host_maddrs", f"/ip4/{address}/tcp/0", *self.member_flags("dht")], "dht",
+                           host)
         line = proc.wait_for(READY_DHT, timeout).group(1)
-        self.initial_peers = [m for m in line.split() if m.startswith("/ip4/127.0.0.1/")] or line.split()
+        self.initial_peers = [m for m in line.split() if m.startswith(f"/ip4/{address}/")] or line.split()
         return self.initial_peers
 
     def start_peer(
@@ -163,9 +187,11 @@ class LocalSwarm:
         wait: bool = True,
         timeout: float = 120.0,
         trainers: str | None = None,
+        host: Placement | None = None,
     ) -> SwarmProcess:
         """A stage peer; ``trainers`` is its ``--trainers`` (None: the swarm's trainer with ``train``, else none;
-        "": none)."""
+        "": none); in ``host`` if given, listening on ``/ip4/ADDRESS/tcp/0`` (unless ``extra`` has
+        ``--host_maddrs``)."""
         if not self.initial_peers:
             raise RuntimeError("call start_dht() first")
         blocks = ["--block_indices", block_indices] if block_indices else ["--num_blocks", str(num_blocks)]
@@ -175,10 +201,10 @@ class LocalSwarm:
             "peer", str(model_dir), "--initial_peers", *self.initial_peers, *blocks,
             "--update_period", str(self.update_period), "--cache_dir", str(self.workdir / "cache"),
             *(["--num_threads", str(self.num_threads)] if self.num_threads else []),
-            *(["--trainers", trainers] if trainers else []), *extra,
+            *(["--trainers", trainers] if trainers else []), *host_flags(host, extra), *extra,
         ]
         name = name or f"peer{len(self.processes)}"
-        proc = self._spawn([*args, *self.member_flags(name)], name)
+        proc = self._spawn([*args, *self.member_flags(name)], name, host)
         if wait:
             self.wait_ready(proc, timeout)
         return proc
@@ -201,7 +227,15 @@ class LocalSwarm:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _spawn(self, args: list[str], name: str) -> SwarmProcess:
-        proc = SwarmProcess(args, self.workdir / "logs" / f"{name}.log", name)
+    def _spawn(self, args: list[str], name: str, host: Placement | None = None) -> SwarmProcess:
+        proc = SwarmProcess(args, self.workdir / "logs" / f"{name}.log", name,
+                            netns=host.netns if host is not None else None)
         self.processes.append(proc)
         return proc
+
+
+def host_flags(host: Placement | None, extra: Sequence[str] = ()) -> list[str]:
+    """``--host_maddrs /ip4/ADDRESS/tcp/0`` for a process placed in ``host`` (none if ``extra`` sets its own)."""
+    if host is None or "--host_maddrs" in extra:
+        return []
+    return ["--host_maddrs", f"/ip4/{host.address}/tcp/0"]
