@@ -85,7 +85,7 @@ class _Path:
         for step in self.steps:
             last = merged[-1] if merged else None
             if isinstance(step, Use) and isinstance(last, Use) and last.resource == step.resource:
-                merged[-1] = Use(step.resource, last.seconds + step.seconds, last.kind)
+                merged[-1] = Use(step.resource, last.seconds + step.seconds, last.kind, last.core or step.core)
             elif isinstance(step, Wait) and step.seconds == 0:
                 continue
             else:
@@ -93,7 +93,7 @@ class _Path:
         return merged
 
     def cpu(self, who: str, seconds: float, kind: str) -> None:
-        self.steps.append(Use(_resource(who), seconds, kind))
+        self.steps.append(Use(_resource(who), seconds, kind, core=True))
 
     def message(self, src: str, dst: str, elements: int, direction: str, work: float = 0.0,
                 kind: str = "compute") -> None:
@@ -155,9 +155,12 @@ def estimate_inference(model: ModelShape, pipeline: Pipeline, *, batch: int = 1,
 
 
 def estimate_training(model: ModelShape, pipeline: Pipeline, *, rows: int, seq_len: int, micro_batches: int,
-                      in_flight: int, recompute: bool = False, stream: StreamCost = LOOPBACK_STREAM
-                      ) -> TrainingEstimate:
-    """One training step of ``micro_batches`` micro-batches of ``rows x seq_len`` tokens, ``in_flight`` at once."""
+                      in_flight: int, recompute: bool = False, stream: StreamCost = LOOPBACK_STREAM,
+                      cores: int | None = None) -> TrainingEstimate:
+    """One training step of ``micro_batches`` micro-batches of ``rows x seq_len`` tokens, ``in_flight`` at once.
+
+    ``cores``: the client and every stage share that many CPU cores (hosts emulated on one machine, like the
+    testbed); None: each has its own machine."""
     pipeline.check(model)
     for name, value in (("rows", rows), ("seq_len", seq_len), ("micro_batches", micro_batches),
                         ("in_flight", in_flight)):
@@ -169,9 +172,9 @@ def estimate_training(model: ModelShape, pipeline: Pipeline, *, rows: int, seq_l
                              s.compute.backward(tokens, s.blocks, recompute), s.compute.apply_s * s.blocks)
                    for s in pipeline.stages)
     micro = _micro_batch(model, pipeline, stream, stages, elements, tokens, recompute)
-    phase = run([micro.job()] * micro_batches, in_flight)
+    phase = run([micro.job()] * micro_batches, in_flight, cores)
     commit = _commit(model, pipeline, stream, stages)
-    commit_run = run(commit, len(commit))
+    commit_run = run(commit, len(commit), cores)
     client_apply = pipeline.client.apply_s
     busy = dict(phase.busy)
     for resource, seconds in commit_run.busy.items():

@@ -3,7 +3,9 @@
 A job is a list of steps: ``Use(resource, seconds)`` holds a resource (a peer's event loop and compute thread, the
 client's loop, one direction of a link) for that long, waiting its turn behind earlier requests; ``Wait(seconds)``
 is a delay that holds nothing (latency, the p2p daemons). Jobs start in order, at most ``in_flight`` at once: the
-next one starts when one ends, like the trainer's semaphore over a step's micro-batches.
+next one starts when one ends, like the trainer's semaphore over a step's micro-batches. With ``cores``, a use marked
+``core`` (CPU work) also needs one of that many cores shared by every resource (hosts emulated on one machine, as
+the testbed does): it takes its resource, then waits for a core in order of arrival.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class Use:
     resource: str
     seconds: float
     kind: str = ""  # what the time is: "compute", "link", "stream", "client" (for the breakdowns)
+    core: bool = False  # CPU work: needs a core when the run has ``cores``
 
 
 @dataclass(frozen=True)
@@ -43,14 +46,16 @@ class Run:
         return max(self.ends, default=0.0)
 
 
-def run(jobs: Sequence[Sequence[Step]], in_flight: int) -> Run:
+def run(jobs: Sequence[Sequence[Step]], in_flight: int, cores: int | None = None) -> Run:
     """Run ``jobs`` from time 0, at most ``in_flight`` at once; resources serve requests in order of arrival."""
     if in_flight < 1:
         raise ValueError(f"in_flight must be >= 1, got {in_flight}")
+    if cores is not None and cores < 1:
+        raise ValueError(f"cores must be >= 1 (or None: every host has its own), got {cores}")
     events: list[tuple[float, int, Callable[[], None]]] = []
     order = itertools.count()
     held: set[str] = set()
-    queues: dict[str, deque[tuple[float, Callable[[float], None]]]] = defaultdict(deque)
+    queues: dict[str, deque[tuple[float, Callable[[float], None], bool]]] = defaultdict(deque)
     busy: dict[str, float] = defaultdict(float)
     ends = [0.0] * len(jobs)
     waiting = iter(range(len(jobs)))
@@ -58,20 +63,50 @@ def run(jobs: Sequence[Sequence[Step]], in_flight: int) -> Run:
     def at(when: float, action: Callable[[], None]) -> None:
         heapq.heappush(events, (when, next(order), action))
 
-    def occupy(resource: str, seconds: float, now: float, then: Callable[[float], None]) -> None:
+    free_cores = [cores]
+    core_queue: deque[tuple[float, Callable[[float], None]]] = deque()  # (start time, what to run on the core)
+
+    def with_core(now: float, work: Callable[[float], None]) -> None:
+        if free_cores[0] is None:
+            work(now)
+        elif free_cores[0] > 0:
+            free_cores[0] -= 1
+            work(now)
+        else:
+            core_queue.append((now, work))
+
+    def core_done(now: float) -> None:
+        if free_cores[0] is None:
+            return
+        if core_queue:
+            _, work = core_queue.popleft()
+            work(now)
+        else:
+            free_cores[0] += 1
+
+    def occupy(resource: str, seconds: float, now: float, then: Callable[[float], None], core: bool = False) -> None:
         held.add(resource)
-        busy[resource] += seconds
 
-        def release() -> None:
-            end = now + seconds
-            if queues[resource]:
-                after, go = queues[resource].popleft()
-                occupy(resource, after, end, go)
-            else:
-                held.discard(resource)
-            then(end)
+        def start(begin: float) -> None:
+            busy[resource] += seconds
 
-        at(now + seconds, release)
+            def release() -> None:
+                end = begin + seconds
+                if core:
+                    core_done(end)
+                if queues[resource]:
+                    after, go, needs = queues[resource].popleft()
+                    occupy(resource, after, end, go, needs)
+                else:
+                    held.discard(resource)
+                then(end)
+
+            at(begin + seconds, release)
+
+        if core:
+            with_core(now, start)
+        else:
+            start(now)
 
     def advance(job: int, index: int, now: float) -> None:
         steps = jobs[job]
@@ -83,9 +118,9 @@ def run(jobs: Sequence[Sequence[Step]], in_flight: int) -> Run:
         if isinstance(step, Wait):
             at(now + step.seconds, lambda: advance(job, index + 1, now + step.seconds))
         elif step.resource in held:
-            queues[step.resource].append((step.seconds, lambda end: advance(job, index + 1, end)))
+            queues[step.resource].append((step.seconds, lambda end: advance(job, index + 1, end), step.core))
         else:
-            occupy(step.resource, step.seconds, now, lambda end: advance(job, index + 1, end))
+            occupy(step.resource, step.seconds, now, lambda end: advance(job, index + 1, end), step.core)
 
     def start_next(now: float) -> None:
         job = next(waiting, None)

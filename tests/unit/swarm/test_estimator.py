@@ -280,3 +280,21 @@ def test_stages_that_do_not_cover_the_model_and_missing_chain_links_are_refused(
         estimate_training(MODEL, chain, rows=1, seq_len=1, micro_batches=1, in_flight=1, stream=FREE)
     with pytest.raises(ValueError, match="in_flight must be an integer >= 1"):
         estimate_training(MODEL, two_compute_stages(), rows=1, seq_len=1, micro_batches=1, in_flight=0, stream=FREE)
+
+
+def test_stages_sharing_one_core_cannot_overlap_their_compute():
+    # the K=2 case above, on one core: nothing overlaps, so the step is all the CPU work one after another
+    est = estimate_training(MODEL, two_compute_stages(0.5, 1.5), rows=1, seq_len=1, micro_batches=2, in_flight=2,
+                            stream=FREE, cores=1)
+    assert est.micro_batches_s == pytest.approx(2 * 7.0)
+    two = estimate_training(MODEL, two_compute_stages(0.5, 1.5), rows=1, seq_len=1, micro_batches=2, in_flight=2,
+                            stream=FREE, cores=2)
+    assert two.micro_batches_s == pytest.approx(10.0)  # two cores are enough for the two stages' overlap here
+
+
+def test_a_job_waiting_for_a_core_keeps_its_resource_and_links_need_no_core():
+    jobs = [[Use("a", 2.0, core=True)], [Use("b", 1.0, core=True)], [Use("link", 1.5)]]
+    result = run(jobs, in_flight=3, cores=1)
+    assert result.ends == (2.0, 3.0, 1.5)
+    with pytest.raises(ValueError, match="cores must be >= 1"):
+        run(jobs, in_flight=1, cores=0)
