@@ -21,6 +21,7 @@ median absolute relative error over all of them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -164,7 +165,8 @@ def wait_log(handle: subprocess.Popen, log: Path, pattern: re.Pattern, timeout: 
 
 # ---- one matrix ----------------------------------------------------------------------------------------------
 def run_matrix(place, model_dir: Path, workdir: Path, trainer_path: Path) -> list[dict]:
-    """Start the DHT and every pipeline's peers, then measure each pipeline from host 0."""
+    """Start the DHT and every pipeline's peers, then measure each pipeline from host 0, each just after measuring
+    the compute again (plain medians, under the machine's load of the moment)."""
     trainer_id = peer_id_of(Identity.load_or_create(trainer_path).public_bytes)
     roles = place.roles()
     client_host = place.hosts[roles["client"]]
@@ -195,6 +197,8 @@ def run_matrix(place, model_dir: Path, workdir: Path, trainer_path: Path) -> lis
                 "--context", str(CONTEXT), "--new", str(NEW), "--runs", str(RUNS), "--rows", str(ROWS),
                 "--seq_len", str(SEQ_LEN), "--micro_batches", str(MICRO_BATCHES),
                 "--in_flight", ",".join(map(str, IN_FLIGHT)), "--steps", str(STEPS)]
+        load = os.getloadavg()[0]
+        block, client = calibration.measure_compute(model_dir, context=CONTEXT, rows=ROWS, seq_len=SEQ_LEN, rounds=1)
         t0 = time.monotonic()
         worker, log = place.spawn(client_host, argv, f"{place.name}-{name}-worker")
         try:
@@ -212,7 +216,8 @@ def run_matrix(place, model_dir: Path, workdir: Path, trainer_path: Path) -> lis
         hosts = {CLIENT: client_host, **{peers[(name, s, e)][0]: place.hosts[roles[r]] for r, s, e in stages}}
         cases.append({"matrix": place.name, "pipeline": name, "stages": [
             {"peer": peers[(name, s, e)][0][-8:], "host": roles[r], "blocks": f"{s}:{e}"} for r, s, e in stages],
-            "hosts": hosts, "allowed": allowed, "measured": measured})
+            "hosts": hosts, "allowed": allowed, "measured": measured, "block": block, "client": client,
+            "load_before": round(load, 2), "load_after": round(os.getloadavg()[0], 2)})
     return cases
 
 
@@ -233,18 +238,23 @@ def links_of(place, hosts: dict) -> dict[tuple[str, str], Link]:
 
 
 def predict(case: dict, place, block: Compute, client: ClientCompute, stream: StreamCost,
-            inference_stream: StreamCost) -> dict:
+            cores: int | None = None) -> dict:
+    """The estimator's figures for a case; ``cores``: every host shares this machine's cores (None: each has its
+    own, as the estimator assumes of a real swarm)."""
     stages = tuple(Stage(peer, int(s["blocks"].split(":")[0]), int(s["blocks"].split(":")[1]), block)
                    for peer, s in zip(case["allowed"], case["stages"], strict=True))
     pipeline = Pipeline(stages, links_of(place, case["hosts"]), client=client)
     model = ModelShape(hidden_size=MODEL["hidden_size"], num_blocks=MODEL["num_layers"], dtype_bytes=4)
-    inference = estimate_inference(model, pipeline, stream=inference_stream)
-    result = {"token_latency_s": inference.token_latency_s, "inference_breakdown_s": {
+    inference = estimate_inference(model, pipeline, stream=stream)
+    names = {CLIENT: "client", **{peer: f"stage{i}" for i, peer in enumerate(case["allowed"])}}
+    result = {"links": {f"{names[a]}->{names[b]}": [link.bandwidth, link.shared]
+                        for (a, b), link in pipeline.links.items()},
+              "token_latency_s": inference.token_latency_s, "inference_breakdown_s": {
         "compute": inference.compute_s, "client": inference.client_s, "link": inference.link_s,
         "stream": inference.stream_s}, "training": {}}
     for k in IN_FLIGHT:
         train = estimate_training(model, pipeline, rows=ROWS, seq_len=SEQ_LEN, micro_batches=MICRO_BATCHES,
-                                  in_flight=k, stream=stream)
+                                  in_flight=k, stream=stream, cores=cores)
         result["training"][str(k)] = {"tokens_per_s": train.tokens_per_s, "step_s": train.step_s,
                                       "commit_s": train.commit_s, "bottleneck": train.bottleneck}
     return result
@@ -255,34 +265,44 @@ def relative(predicted: float, measured: float) -> float:
 
 
 def compare(cases: list[dict]) -> tuple[list[dict], dict]:
-    rows, errors = [], []
+    """Each figure against the best measured (the best run's median, the fastest step: what calibration is too) and
+    against the plain median of all runs or steps."""
+    rows = []
+    errors: dict[str, list[float]] = {"best": [], "median": []}
+    matrix_errors: dict[str, list[float]] = {}
+
+    def figure(predicted: float, best: float, median: float, scale: float, matrix: str) -> dict:
+        error, plain = relative(predicted, best), relative(predicted, median)
+        errors["best"].append(error)
+        errors["median"].append(plain)
+        matrix_errors.setdefault(matrix, []).append(abs(error))
+        return {"predicted": round(predicted * scale, 3), "measured_best": round(best * scale, 3),
+                "measured_median": round(median * scale, 3), "error": round(error, 3),
+                "error_vs_median": round(plain, 3)}
+
     for case in cases:
-        p, m = case["predicted"], case["measured"]
-        row = {"matrix": case["matrix"], "pipeline": case["pipeline"], "stages": case["stages"],
-               "token_latency_ms": {"predicted": round(p["token_latency_s"] * 1e3, 3),
-                                    "measured": round(m["token_latency_s"] * 1e3, 3),
-                                    "error": round(relative(p["token_latency_s"], m["token_latency_s"]), 3)},
+        p, m, matrix = case["predicted"], case["measured"], case["matrix"]
+        row = {"matrix": matrix, "pipeline": case["pipeline"], "stages": case["stages"],
+               "token_latency_ms": figure(p["token_latency_s"], m.get("token_latency_best_s", m["token_latency_s"]),
+                                          m["token_latency_s"], 1e3, matrix),
                "inference_breakdown_ms": {k: round(v * 1e3, 3) for k, v in p["inference_breakdown_s"].items()},
-               "training": {}}
-        errors.append(row["token_latency_ms"]["error"])
+               "training": {}, "links_bits_per_s": p["links"], "measured_raw": m,
+               "compute": {"block": asdict(case["block"]), "client": asdict(case["client"])},
+               "load": [case["load_before"], case["load_after"]]}
         for k, predicted in p["training"].items():
             measured = m["training"][k]
-            error = relative(predicted["tokens_per_s"], measured["tokens_per_s"])
-            errors.append(error)
             row["training"][f"K={k}"] = {
-                "tokens_per_s": {"predicted": round(predicted["tokens_per_s"], 1),
-                                 "measured": round(measured["tokens_per_s"], 1), "error": round(error, 3)},
-                "step_s": {"predicted": round(predicted["step_s"], 4),
-                           "measured": round(statistics.median(measured["step_s"]), 4)},
+                "tokens_per_s": figure(predicted["tokens_per_s"], measured.get("tokens_per_s_best",
+                                       measured["tokens_per_s"]), measured["tokens_per_s"], 1.0, matrix),
+                "step_s": {"predicted": round(predicted["step_s"], 4), "measured": measured["step_s"]},
                 "predicted_commit_s": round(predicted["commit_s"], 4), "bottleneck": predicted["bottleneck"]}
         rows.append(row)
-    abs_errors = [abs(e) for e in errors]
-    summary = {"figures": len(errors), "median_abs_error": round(statistics.median(abs_errors), 3),
-               "max_abs_error": round(max(abs_errors), 3),
-               "within_20pct": sum(e <= 0.2 for e in abs_errors)}
-    for matrix in sorted({c["matrix"] for c in cases}):
-        own = [abs(e) for c, r in zip(cases, rows, strict=True) if c["matrix"] == matrix
-               for e in [r["token_latency_ms"]["error"], *(t["tokens_per_s"]["error"] for t in r["training"].values())]]
+    best = [abs(e) for e in errors["best"]]
+    summary = {"figures": len(best), "median_abs_error": round(statistics.median(best), 3),
+               "max_abs_error": round(max(best), 3), "within_20pct": sum(e <= 0.2 for e in best),
+               "median_abs_error_vs_median": round(statistics.median(abs(e) for e in errors["median"]), 3),
+               "median_error_signed": round(statistics.median(errors["best"]), 3)}
+    for matrix, own in sorted(matrix_errors.items()):
         summary[f"median_abs_error_{matrix}"] = round(statistics.median(own), 3)
     return rows, summary
 
@@ -299,38 +319,41 @@ def main() -> None:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="fusionswarm-estimator-"))
     model_dir = make_tiny_model(workdir / "model", seed=0, **MODEL)
     trainer_path = workdir / "trainer.id"
-    with console.status("calibrating on 127.0.0.1: compute, stream CPU, transit to one peer"):
+    with console.status("calibrating on 127.0.0.1: compute (best of 5 rounds), stream CPU, transit to one peer"):
         block, client = calibration.measure_compute(model_dir, context=CONTEXT, rows=ROWS, seq_len=SEQ_LEN)
         cpu = calibration.measure_stream_cpu(MODEL["hidden_size"], ROWS * SEQ_LEN)
-        inference_stream, stream, raw = calibration.measure_transit(
-            model_dir, workdir, cpu=cpu, block=block, client=client, rows=ROWS, seq_len=SEQ_LEN, context=CONTEXT)
-    calibrated = {"block": asdict(block), "client": asdict(client), "stream": asdict(stream),
-                  "inference_stream": asdict(inference_stream), "transit_raw": raw}
+        stream, raw = calibration.measure_transit(model_dir, workdir, cpu=cpu, rows=ROWS, seq_len=SEQ_LEN)
+    calibrated = {"quiet_block": asdict(block), "quiet_client": asdict(client), "stream": asdict(stream),
+                  "transit_raw": raw}
     console.print(f"calibration: {json.dumps(calibrated)}")
     result: dict = {"model": MODEL, "generation": {"context": CONTEXT, "new_tokens": NEW, "runs": RUNS},
                     "training": {"rows": ROWS, "seq_len": SEQ_LEN, "micro_batches": MICRO_BATCHES,
                                  "in_flight": list(IN_FLIGHT), "steps": STEPS},
                     "calibration": calibrated, "links": "configured rates (Testbed.rate), latency 0"}
     if not args.calibrate_only:
-        cases = []
-        if args.loopback:
-            place = Loopback(workdir / "loopback")
-            try:
-                for case in run_matrix(place, model_dir, workdir / "loopback", trainer_path):
-                    case["predicted"] = predict(case, place, block, client, stream, inference_stream)
-                    cases.append(case)
-            finally:
-                place.close()
-        for matrix in [m for m in args.matrices.split(",") if m and not args.loopback]:
-            from swarm.testbed import Testbed
+        cases, quiet, shared = [], [], []
+        places = [("loopback", None)] if args.loopback else [(m, m) for m in args.matrices.split(",") if m]
+        for label, matrix in places:
+            with contextlib.ExitStack() as stack:
+                if matrix is None:
+                    place = stack.enter_context(contextlib.closing(Loopback(workdir / "loopback")))
+                else:
+                    from swarm.testbed import Testbed
 
-            with Testbed(hosts=6, matrix=matrix, workdir=workdir / matrix) as tb:
-                place = OnTestbed(tb)
-                for case in run_matrix(place, model_dir, workdir / matrix, trainer_path):
-                    case["predicted"] = predict(case, place, block, client, stream, inference_stream)
+                    place = OnTestbed(stack.enter_context(Testbed(hosts=6, matrix=matrix, workdir=workdir / label)))
+                for case in run_matrix(place, model_dir, workdir / label, trainer_path):
+                    case["predicted"] = predict(case, place, case["block"], case["client"], stream)
                     cases.append(case)
+                    quiet.append({**case, "predicted": predict(case, place, block, client, stream)})
+                    shared.append({**case, "predicted": predict(case, place, case["block"], case["client"], stream,
+                                                                cores=os.cpu_count())})
         rows, summary = compare(cases)
         result["cases"], result["summary"] = rows, summary
+        result["summary_with_quiet_compute"] = compare(quiet)[1]  # the start's best-of-5 compute for every case
+        shared_rows, result["summary_with_shared_cores"] = compare(shared)  # the hosts share this machine's cores
+        result["training_with_shared_cores"] = [
+            {"matrix": r["matrix"], "pipeline": r["pipeline"],
+             **{k: v["tokens_per_s"] for k, v in r["training"].items()}} for r in shared_rows]
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

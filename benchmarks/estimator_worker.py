@@ -3,8 +3,10 @@
     python benchmarks/estimator_worker.py --model DIR --initial_peers ... --allowed ID,ID --identity FILE --out FILE
 
 It uses only the allowed peers (the case's pipeline), generates ``--new`` tokens greedily after an ``--context``
-token prompt (per-token latency: the median gap between tokens, leaving out the first two), then trains with each
-``--in_flight`` value for ``--steps`` steps (tokens/s: the median step, leaving out the first: it opens the run).
+token prompt, ``--runs`` times (per-token latency: the median gap between tokens, leaving out the first two), then
+trains with each ``--in_flight`` value for ``--steps`` steps (tokens/s: the median step, leaving out the first: it
+opens the run). Also the best figures (the best run's median gap, the fastest step): the machine is shared, and
+they are what it does when it has the cores.
 Writes one JSON object to ``--out``.
 """
 
@@ -49,12 +51,14 @@ def main() -> None:
     result: dict = {}
     with SwarmClient(args.model, config=config) as client:
         client.wait_for_records(len(allowed), timeout=120)
-        gaps = []
+        gaps, rounds = [], []
         for run in range(args.runs):
             ids = torch.randint(0, 200, (1, args.context), generator=torch.Generator().manual_seed(run))
             stamps = [time.perf_counter() for _ in client.iter_generate(ids, args.new)]
             gaps += [b - a for a, b in zip(stamps[1:], stamps[2:], strict=False)]
+            rounds.append(statistics.median(gaps[-(len(stamps) - 2):]))
         result["token_latency_s"] = statistics.median(gaps)
+        result["token_latency_best_s"] = min(rounds)  # the best run's median (the machine is shared)
         result["token_gaps_s"] = [round(g, 5) for g in gaps]
         result["training"] = {}
         for k in (int(v) for v in args.in_flight.split(",")):
@@ -69,6 +73,7 @@ def main() -> None:
             seconds = [s.seconds for s in steps[1:]]
             result["training"][str(k)] = {
                 "tokens_per_s": steps[1].tokens / statistics.median(seconds),
+                "tokens_per_s_best": steps[1].tokens / min(seconds),  # the fastest step (the machine is shared)
                 "step_s": [round(s, 4) for s in seconds],
                 "stage_busy_s": [[round(b, 4) for b in s.stage_busy] for s in steps[1:]],
                 "stages": [f"{r.start}:{r.end}" for r in trainer.stages],

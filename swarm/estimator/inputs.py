@@ -163,11 +163,12 @@ class StreamCost:
         return self.recv_s + nbytes * self.cpu_s_per_byte
 
 
-# Measured on 127.0.0.1 on this project's 2-core x86_64 machine (2026-12-02) by `python benchmarks/estimator.py
-# --calibrate_only`: CPU per message timed in-process (tensor_messages + seal, then unseal + decode), the rest of a
-# TrainForward round trip (wall minus the peer's compute_ms minus that CPU) split over its two messages.
-LOOPBACK_STREAM = StreamCost(send_s=60e-6, recv_s=90e-6, cpu_s_per_byte=1.6e-9, transit_s=0.45e-3,
-                             daemon_rate=250e6, frame_bytes=160)
+# Measured on 127.0.0.1 on this project's 2-core x86_64 machine (2026-12-02 07:20 UTC, shared with other work) by
+# `python benchmarks/estimator.py --calibrate_only`: CPU per message timed in-process (tensor_messages + AES-GCM seal,
+# then unseal + decode) for 4 KB and 256 KB tensors; the rest of training calls' round trips (wall minus the peer's
+# compute_ms minus that CPU) for the two sizes, split over their two messages, gives transit and the daemons' rate.
+LOOPBACK_STREAM = StreamCost(send_s=41e-6, recv_s=106e-6, cpu_s_per_byte=0.83e-9, transit_s=0.83e-3,
+                             daemon_rate=81e6, frame_bytes=178)
 
 
 @dataclass(frozen=True)
