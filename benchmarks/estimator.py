@@ -237,13 +237,13 @@ def links_of(place, hosts: dict) -> dict[tuple[str, str], Link]:
     return links
 
 
-def predict(case: dict, place, block: Compute, client: ClientCompute, stream: StreamCost,
-            cores: int | None = None) -> dict:
+def predict(case: dict, links: dict[tuple[str, str], Link], block: Compute, client: ClientCompute,
+            stream: StreamCost, cores: int | None = None) -> dict:
     """The estimator's figures for a case; ``cores``: every host shares this machine's cores (None: each has its
     own, as the estimator assumes of a real swarm)."""
     stages = tuple(Stage(peer, int(s["blocks"].split(":")[0]), int(s["blocks"].split(":")[1]), block)
                    for peer, s in zip(case["allowed"], case["stages"], strict=True))
-    pipeline = Pipeline(stages, links_of(place, case["hosts"]), client=client)
+    pipeline = Pipeline(stages, links, client=client)
     model = ModelShape(hidden_size=MODEL["hidden_size"], num_blocks=MODEL["num_layers"], dtype_bytes=4)
     inference = estimate_inference(model, pipeline, stream=stream)
     names = {CLIENT: "client", **{peer: f"stage{i}" for i, peer in enumerate(case["allowed"])}}
@@ -307,6 +307,43 @@ def compare(cases: list[dict]) -> tuple[list[dict], dict]:
     return rows, summary
 
 
+def evaluate(cases: list[dict], quiet_block: Compute, quiet_client: ClientCompute, stream: StreamCost) -> dict:
+    """Predictions for every case (the compute measured just before it; the start's best-of-5 compute; the hosts
+    sharing this machine's cores) against what was measured."""
+    def predicted(block_of, client_of, cores=None) -> list[dict]:
+        return [{**c, "predicted": predict(c, c["links"], block_of(c), client_of(c), stream, cores)} for c in cases]
+
+    rows, summary = compare(predicted(lambda c: c["block"], lambda c: c["client"]))
+    shared_rows, shared = compare(predicted(lambda c: c["block"], lambda c: c["client"], os.cpu_count()))
+    return {"cases": rows, "summary": summary,
+            "summary_with_quiet_compute": compare(predicted(lambda c: quiet_block, lambda c: quiet_client))[1],
+            "summary_with_shared_cores": shared,
+            "training_with_shared_cores": [{"matrix": r["matrix"], "pipeline": r["pipeline"],
+                                            **{k: v["tokens_per_s"] for k, v in r["training"].items()}}
+                                           for r in shared_rows]}
+
+
+def replay(path: Path) -> dict:
+    """Predict again, with this estimator, every case of a previous run's JSON, from the inputs it recorded (the
+    calibration, each case's compute and links): nothing is measured, nothing fitted."""
+    saved = json.loads(path.read_text())
+    calibrated = saved["calibration"]
+    cases = []
+    for row in saved["cases"]:
+        names = [f"stage{i}" for i in range(len(row["stages"]))]
+        links = {}
+        for pair, (bandwidth, shared) in row["links_bits_per_s"].items():
+            a, b = pair.split("->")
+            links[(a, b)] = Link(bandwidth, 0.0, shared=shared)
+        cases.append({"matrix": row["matrix"], "pipeline": row["pipeline"], "stages": row["stages"],
+                      "allowed": names, "links": links, "measured": row["measured_raw"],
+                      "block": Compute(**row["compute"]["block"]), "client": ClientCompute(**row["compute"]["client"]),
+                      "load_before": row["load"][0], "load_after": row["load"][1]})
+    return {**{k: v for k, v in saved.items() if k not in ("cases", "summary")}, **evaluate(
+        cases, Compute(**calibrated["quiet_block"]), ClientCompute(**calibrated["quiet_client"]),
+        StreamCost(**calibrated["stream"])), "replayed_from": str(path)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--matrices", default="lan,three_sites", help="testbed matrices, comma-separated")
@@ -314,7 +351,15 @@ def main() -> None:
     parser.add_argument("--calibrate_only", action="store_true", help="print the calibration and stop")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--replay", type=Path, default=None,
+                        help="predict again the cases of this earlier JSON output from its recorded inputs")
     args = parser.parse_args()
+    if args.replay:
+        text = json.dumps(replay(args.replay), indent=1)
+        print(text)
+        if args.out:
+            args.out.write_text(text + "\n")
+        return
     torch.set_num_threads(1)  # like every peer: all processes share this machine's cores
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="fusionswarm-estimator-"))
     model_dir = make_tiny_model(workdir / "model", seed=0, **MODEL)
@@ -331,7 +376,7 @@ def main() -> None:
                                  "in_flight": list(IN_FLIGHT), "steps": STEPS},
                     "calibration": calibrated, "links": "configured rates (Testbed.rate), latency 0"}
     if not args.calibrate_only:
-        cases, quiet, shared = [], [], []
+        cases = []
         places = [("loopback", None)] if args.loopback else [(m, m) for m in args.matrices.split(",") if m]
         for label, matrix in places:
             with contextlib.ExitStack() as stack:
@@ -342,18 +387,9 @@ def main() -> None:
 
                     place = OnTestbed(stack.enter_context(Testbed(hosts=6, matrix=matrix, workdir=workdir / label)))
                 for case in run_matrix(place, model_dir, workdir / label, trainer_path):
-                    case["predicted"] = predict(case, place, case["block"], case["client"], stream)
+                    case["links"] = links_of(place, case.pop("hosts"))
                     cases.append(case)
-                    quiet.append({**case, "predicted": predict(case, place, block, client, stream)})
-                    shared.append({**case, "predicted": predict(case, place, case["block"], case["client"], stream,
-                                                                cores=os.cpu_count())})
-        rows, summary = compare(cases)
-        result["cases"], result["summary"] = rows, summary
-        result["summary_with_quiet_compute"] = compare(quiet)[1]  # the start's best-of-5 compute for every case
-        shared_rows, result["summary_with_shared_cores"] = compare(shared)  # the hosts share this machine's cores
-        result["training_with_shared_cores"] = [
-            {"matrix": r["matrix"], "pipeline": r["pipeline"],
-             **{k: v["tokens_per_s"] for k, v in r["training"].items()}} for r in shared_rows]
+        result.update(evaluate(cases, block, client, stream))
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

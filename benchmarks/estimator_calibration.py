@@ -69,7 +69,7 @@ def measure_compute(model_dir: Path, *, context: int, rows: int, seq_len: int, r
         past_in = torch.randn(1, context, cfg.hidden_size)
         _, past = blocks(past_in, torch.arange(context)[None])
         one = torch.randn(1, 1, cfg.hidden_size)
-        step = median_time(lambda: blocks(one, torch.tensor([[context]]), past), 7 * ROUNDS // rounds, rounds)
+        step = median_time(lambda: blocks(one, torch.tensor([[context]]), past), 300 // rounds, rounds)
     trainer = StageTrainer(load_blocks(model_dir, 0, 1), OPTIM, 1, auto_step=False)
     hidden = torch.randn(rows, seq_len, cfg.hidden_size)
     positions = default_position_ids(torch.zeros(rows, seq_len, dtype=torch.long))
@@ -107,7 +107,8 @@ def _client_compute(model_dir: Path, rows: int, seq_len: int, rounds: int) -> Cl
     cfg = ModelConfig.from_dir(model_dir)
     token = torch.tensor([[1]])
     with torch.inference_mode():
-        inference = median_time(lambda: head(embedding(token, torch.tensor([[8]])))[:, -1].argmax(-1), 7, rounds)
+        inference = median_time(lambda: head(embedding(token, torch.tensor([[8]])))[:, -1].argmax(-1), 100 // rounds,
+                                rounds)
     for module in (embedding, head):
         module.requires_grad_(True).train()
     part = PartOptimizer(unique_parameters(embedding, head), OPTIM)
