@@ -62,6 +62,7 @@ PIPELINES = {  # name -> (role of the stage's host, start, end) per stage
     "two_stages": [("near", 0, 3), ("mid", 3, 6)],
     "three_stages": [("near", 0, 2), ("mid", 2, 4), ("far", 4, 6)],
 }
+SETTLE_S = 15.0  # seconds after the peers serve before the first case
 READY_PEER = re.compile(r"Serving blocks (\d+):(\d+) of \S+ as peer (\w+)")
 READY_DHT = re.compile(r"--initial_peers (.+)$", re.MULTILINE)
 HERE = Path(__file__).resolve().parent
@@ -187,7 +188,8 @@ def run_matrix(place, model_dir: Path, workdir: Path, trainer_path: Path) -> lis
     for key, (_, handle, log) in list(peers.items()):
         peer_id = wait_log(handle, log, READY_PEER, 180, f"peer {key}").group(3)
         peers[key] = (peer_id, handle, log)
-    console.print(f"[{place.name}] DHT and {len(peers)} peers serving")
+    console.print(f"[{place.name}] DHT and {len(peers)} peers serving; {SETTLE_S:.0f} s for them to settle")
+    time.sleep(SETTLE_S)  # new peers still join the DHT and announce: no compute timing meanwhile
     cases = []
     for name, stages in PIPELINES.items():
         allowed = [peers[(name, start, end)][0] for _, start, end in stages]
