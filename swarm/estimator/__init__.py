@@ -5,6 +5,7 @@
   127.0.0.1), ``Stage`` and ``Pipeline`` (``star``: today's data path; ``chain``: the next one).
 - ``estimate``: ``estimate_inference`` (per-token latency) and ``estimate_training`` (tokens/s with K micro-batches
   in flight, two-phase steps), with each stage's compute, each message's bytes and link time.
+- ``from_records``: ``pipeline_from_records`` prices a pipeline of real peers from their records and link tables.
 - ``events``: the first-come-first-served discrete-event run behind ``estimate_training``.
 """
 
