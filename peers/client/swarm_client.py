@@ -12,6 +12,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
+from peers.client.chain_session import ChainSession
 from peers.client.generation import SamplingConfig, generate_stream
 from peers.client.inference_session import InferenceSession
 from peers.client.retry import backoff, classify
@@ -150,8 +151,10 @@ class SwarmClient:
         return self._loop.aiterate(stream)
 
     def inference_session(self, *, max_length: int, batch_size: int = 1) -> InferenceSession:
-        """An ``async with`` session for custom decoding loops (run it on ``client.loop``)."""
-        return InferenceSession(self, max_length=max_length, batch_size=batch_size)
+        """An ``async with`` session for custom decoding loops (run it on ``client.loop``): a ``ChainSession`` (peers
+        push their outputs to each other) or, with ``topology="star"``, an ``InferenceSession`` (all through us)."""
+        cls = ChainSession if self.config.topology == "chain" else InferenceSession
+        return cls(self, max_length=max_length, batch_size=batch_size)
 
     @property
     def loop(self):
