@@ -22,6 +22,7 @@ import time
 import torch
 
 from peers.client.inference_session import InferenceSession, SpanSession
+from peers.client.node import ClientNode
 from peers.client.retry import backoff
 from peers.wire.errors import ChainError, RequestError
 from privacy.errors import MembershipError
@@ -49,14 +50,22 @@ class _SourceFailed(Exception):
 class ChainSession(InferenceSession):
     """An ``InferenceSession`` whose peers push their outputs to each other (``ClientConfig.topology="chain"``)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, client: ClientNode, *, max_length: int, batch_size: int = 1,
+                 span: tuple[int, int] | None = None) -> None:
+        """``span``: only these blocks, on hidden states given as they are (no local blocks); default: the blocks
+        after the client's ``local_blocks``, which run here first."""
+        super().__init__(client, max_length=max_length, batch_size=batch_size)
+        self.span = span
         self.inputs: list[torch.Tensor] = []  # what the first hop got: replayed into a replacement of it
         self._step_seconds: float | None = None  # EMA of a single-token step, all hops
 
     async def __aenter__(self) -> ChainSession:
-        self.hops = await self._open_chain(self.client.first_remote, self.client.model_config.num_layers, linked=True)
+        start, end = self.span or (self.client.first_remote, self.client.model_config.num_layers)
+        self.hops = await self._open_chain(start, end, linked=True)
         return self
+
+    def _local_step(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden if self.span is not None else super()._local_step(hidden)
 
     async def step(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states of the next tokens ``[batch, T, hidden]`` through all blocks."""

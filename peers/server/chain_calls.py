@@ -42,6 +42,7 @@ from privacy.peer_ids import short_id
 logger = logging.getLogger(__name__)
 
 StreamFor = Callable[[str], Awaitable[PeerStream]]  # this peer's stream to another (``PeerLinks.get``)
+CONNECT_TIMEOUT = 5.0  # seconds to open a stream to the next peer
 PUSH_FAILURES = (ConnectionError, TimeoutError, asyncio.TimeoutError, OSError, RequestError, P2PDaemonError,
                  P2PHandlerError, ValueError)
 
@@ -147,7 +148,10 @@ class ChainCalls(StreamCalls):
     async def _push(self, session: Session, position: int, output: torch.Tensor) -> None:
         if self.stream_for is None:
             raise RequestError("this peer cannot reach other peers")
-        stream = await self.stream_for(session.downstream)
+        try:  # a next peer that died is not dialed for long: the client waits to hear which peer failed
+            stream = await asyncio.wait_for(self.stream_for(session.downstream), CONNECT_TIMEOUT)
+        except asyncio.TimeoutError:
+            raise ConnectionError(f"could not reach it within {CONNECT_TIMEOUT:.0f} s") from None
         await stream.push(session.downstream_session, position, output, self.request_timeout)
 
     # ---- pushes from the previous peer ---------------------------------------------------------
@@ -232,20 +236,21 @@ class ChainCalls(StreamCalls):
         return defer(self._replay(session, request), "replay")
 
     async def _replay(self, session: Session, request: InferenceReplay) -> Responses:
-        async with session.order:
-            session.downstream, session.downstream_session = request.downstream, request.downstream_session
-            if request.upto == 0:
-                return [reply()]
-            kept = session.kept_outputs(request.upto)
-            if kept is None:
-                return [reply(error=f"this peer has not kept the outputs of tokens 0:{request.upto} of session "
-                                    f"{session.session_id!r} (it had no downstream then)")]
-            try:
-                await self._push(session, 0, kept)
-            except PUSH_FAILURES as e:
-                error = f"could not replay session {session.session_id!r} into peer {short_id(request.downstream)}: {e}"
-                return [runtime_pb2.ExpertResponse(metadata=InferenceReply(
-                    error=error, failed_peer=request.downstream).to_bytes())]
+        """Not in turn with the session's steps: one may still be trying to push to the failed peer, and the tokens
+        replayed (before the client's position) are kept already and never change under a step at that position."""
+        session.downstream, session.downstream_session = request.downstream, request.downstream_session
+        if request.upto == 0:
+            return [reply()]
+        kept = session.kept_outputs(request.upto)
+        if kept is None:
+            return [reply(error=f"this peer has not kept the outputs of tokens 0:{request.upto} of session "
+                                f"{session.session_id!r} (it had no downstream then)")]
+        try:
+            await self._push(session, 0, kept)
+        except PUSH_FAILURES as e:
+            error = f"could not replay session {session.session_id!r} into peer {short_id(request.downstream)}: {e}"
+            return [runtime_pb2.ExpertResponse(metadata=InferenceReply(
+                error=error, failed_peer=request.downstream).to_bytes())]
         return [reply()]
 
 
