@@ -70,12 +70,7 @@ class ChainSession(InferenceSession):
 
     async def step(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states of the next tokens ``[batch, T, hidden]`` through all blocks."""
-        if hidden.shape[0] != self.batch_size:
-            raise ValueError(f"this session has batch size {self.batch_size}, got {hidden.shape[0]}")
-        if self.length + hidden.shape[1] > self.max_length:
-            total = self.length + hidden.shape[1]
-            raise ValueError(f"{total} tokens exceed the session's max_length {self.max_length}")
-        x = self._local_step(hidden).detach().to("cpu", self.client.dtype)
+        x = self._first_blocks(hidden)
         position, failures, began = self.length, 0, time.perf_counter()
         pending: dict[SpanSession, asyncio.Future] = {}  # hops' requests for this step still under way
         while True:
