@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -40,12 +40,17 @@ from peers.wire.errors import ChainError, RequestError
 from peers.wire.messages import TrainBackward, TrainForward, TrainOpen, TrainPush
 from privacy.peer_ids import short_id
 
-if TYPE_CHECKING:
-    from peers.server.training_rpc import TrainingRPC
-
 MAX_NEIGHBOURS = 64  # peer ids per list of a TrainOpen
 MAX_SCALE = float(1 << 16)  # accumulation / share is at most the accumulation
 KEPT = ("input", "output", "grad")
+
+
+class Stage(Protocol):
+    """What this needs of ``peers.server.training_rpc.TrainingRPC``: its forward and backward of one micro-batch."""
+
+    async def forward(self, request: TrainForward, hidden: torch.Tensor, stream: object) -> torch.Tensor: ...
+
+    async def backward(self, request: TrainBackward, tensor: torch.Tensor, stream: object) -> torch.Tensor: ...
 
 
 class _Turns:
@@ -80,7 +85,7 @@ class _Turns:
 class TrainChain:
     """The chain side of this peer's run: its neighbours, the inbox of pushes, ordered compute, pushes out."""
 
-    def __init__(self, rpc: TrainingRPC, stream_for: StreamFor | None, *, timeout: float) -> None:
+    def __init__(self, rpc: Stage, stream_for: StreamFor | None, *, timeout: float) -> None:
         self.rpc, self.stream_for, self.timeout = rpc, stream_for, timeout
         self.inbox = Inbox()
         self.upstream: frozenset[str] = frozenset()  # previous stage's replicas: push us inputs
