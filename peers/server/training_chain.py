@@ -174,11 +174,8 @@ class TrainChain:
             await self._turns.wait(previous)
             self._check_generation(generation)
             started = time.perf_counter()
-            if backward:
-                assert isinstance(request, TrainBackward)
-                scaled = tensor * request.scale if request.scale != 1 else tensor
-                output = await self.rpc.backward(request, scaled, stream)
-                output = output / request.scale if request.scale != 1 else output
+            if isinstance(request, TrainBackward):  # (``backward`` applies the request's scale)
+                output = await self.rpc.backward(request, tensor, stream)
             else:
                 output = await self.rpc.forward(request, tensor, stream)
             compute_ms = max(1e-3, 1e3 * (time.perf_counter() - started))

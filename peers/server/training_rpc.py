@@ -28,7 +28,7 @@ from peers.core.ids import safe_name
 from peers.core.trainers import TrainerPolicy
 from peers.model.blocks import StageBlocks
 from peers.server.averaging import ReplicaAverager, StreamFor, round_at
-from peers.server.training_chain import TrainChain
+from peers.server.training_chain import MAX_SCALE, TrainChain
 from peers.training import GradientError, OptimConfig, StageTrainer
 from peers.training.state import read_state_info
 from peers.wire.errors import RequestError
@@ -201,16 +201,19 @@ class TrainingRPC:
         return await self._compute(trainer.forward, request.micro_id, hidden, positions)
 
     async def backward(self, request: TrainBackward, tensor: torch.Tensor, stream: object) -> torch.Tensor:
-        """The grad of the micro-batch's input; a refused grad drops the micro-batch and applies nothing."""
+        """The grad of the micro-batch's input; a refused grad drops the micro-batch and applies nothing. A
+        ``scale`` other than 1 multiplies the grad we get and divides the one we return (a replica's share)."""
         trainer = self._trainer(request.run_id, stream)
+        if not 0 < request.scale <= MAX_SCALE:  # NaN fails too
+            raise GradientError(f"scale must be in (0, {MAX_SCALE:.0f}], got {request.scale}")
         if request.recompute:
             if tensor.ndim != 4 or tensor.shape[0] != 2:
                 raise GradientError("a recompute backward carries [2, batch, seq, hidden]: the input, then the grad")
             hidden, grad = tensor[0], tensor[1]
-            call = (trainer.backward, request.micro_id, grad)
             kwargs = {"hidden": hidden, "position_ids": _positions(hidden)}
         else:
-            call, kwargs = (trainer.backward, request.micro_id, tensor), {}
+            grad, kwargs = tensor, {}
+        call = (trainer.backward, request.micro_id, grad * request.scale if request.scale != 1 else grad)
         before = trainer.step
         try:
             grad_input = await self._compute(*call, **kwargs)
@@ -219,7 +222,7 @@ class TrainingRPC:
             raise
         if trainer.step != before:
             await self._after_step(trainer)
-        return grad_input
+        return grad_input / request.scale if request.scale != 1 else grad_input
 
     async def apply(self, request: TrainApply, stream: object) -> int:
         """Two-phase commit of a step; returns the stage's step count after it."""
