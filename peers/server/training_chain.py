@@ -42,6 +42,7 @@ from privacy.peer_ids import short_id
 
 MAX_NEIGHBOURS = 64  # peer ids per list of a TrainOpen
 MAX_SCALE = float(1 << 16)  # accumulation / share is at most the accumulation
+DIAL_TIMEOUT = 5.0  # seconds to reach the next peer for a push (a dead one must not hold up the stream's replies)
 KEPT = ("input", "output", "grad")
 
 
@@ -92,6 +93,7 @@ class TrainChain:
         self.downstream: frozenset[str] = frozenset()  # next stage's replicas: push us grads
         self.generation = 0  # bumped on every re-open and when the owner leaves: older requests stop
         self._turns = _Turns()
+        self._given_up: asyncio.Future | None = None  # done at the next reset: pushes under way stop
         self._step: dict[str, dict[str, torch.Tensor]] = {}  # micro_id -> KEPT -> tensor, this step
         self._applied: dict[str, dict[str, torch.Tensor]] = {}  # the same for the last step applied
 
@@ -112,6 +114,9 @@ class TrainChain:
         self.generation += 1
         self.inbox.fail(lambda key: True, why)
         self._step = {}
+        if self._given_up is not None and not self._given_up.done():
+            self._given_up.set_result(why)
+        self._given_up = None
 
     def applied(self) -> None:
         """The step was applied: what it exchanged is kept for a replay of a stage that missed its commit."""
@@ -207,12 +212,27 @@ class TrainChain:
             kept["output"] = output.detach()
 
     async def _push(self, peer: str, message: TrainPush, tensor: torch.Tensor) -> None:
-        """Hand our result to the next peer of the route; any failure is that peer's (``ChainError``)."""
+        """Hand our result to the next peer of the route; any failure is that peer's (``ChainError``). A re-open
+        of the run (the trainer retries) stops it at once: the replies after it on the trainer's stream (the
+        re-open's among them) must not wait for a dial to a dead peer."""
         what = "grad" if message.backward else "output"
-        try:
+
+        async def send() -> None:
             assert self.stream_for is not None  # check_open
-            stream = await self.stream_for(peer)
+            stream = await asyncio.wait_for(self.stream_for(peer), DIAL_TIMEOUT)
             await stream.call(message, tensor, self.timeout)
-        except Exception as e:
+
+        if self._given_up is None:
+            self._given_up = asyncio.get_running_loop().create_future()
+        given_up, sending = self._given_up, asyncio.ensure_future(send())
+        try:
+            await asyncio.wait({sending, given_up}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not sending.done():
+                sending.cancel()
+        if not sending.done() or sending.cancelled():
+            why = given_up.result() if given_up.done() else "it was cancelled"
+            raise RequestError(f"push of micro-batch {message.micro_id[:64]!r} stopped: {why}")
+        if (error := sending.exception()) is not None:
             raise ChainError(f"could not push the {what} of micro-batch {message.micro_id[:64]!r} to peer "
-                             f"{short_id(peer)}: {e}", peer) from None
+                             f"{short_id(peer)}: {error!r}", peer) from None

@@ -173,3 +173,24 @@ def test_chained_requests_compute_in_arrival_order_whatever_order_their_inputs_c
 
     asyncio.run(scenario())
     assert ran == ["1", "2"]
+
+
+def test_a_re_open_stops_a_push_to_a_peer_that_does_not_answer(model_dir):
+    """Its reply (and the re-open's, after it on the trainer's stream) must not wait for a dead peer's dial."""
+    rpcs, ta = _pair(model_dir), object()
+
+    async def hang(peer: str):
+        await asyncio.sleep(100)
+
+    async def scenario():
+        await _open(rpcs[A], ta, downstream=[B])
+        rpcs[A].chain.stream_for = hang
+        pushing = asyncio.ensure_future(rpcs[A].chain.run(TrainForward(run_id="run", micro_id="m", downstream=B),
+                                                         torch.randn(1, 3, 32), ta))
+        await asyncio.sleep(0.2)
+        assert not pushing.done()
+        await _open(rpcs[A], ta, downstream=[B])
+        with pytest.raises(RequestError, match="stopped: run 'run' was re-opened"):
+            await asyncio.wait_for(pushing, 1.0)
+
+    asyncio.run(scenario())
