@@ -157,6 +157,11 @@ class ChainSession(InferenceSession):
                                    f"{error}); check `swarm status` and that the peers serving them are reachable"
                                    ) from error
             await asyncio.sleep(backoff(failures))
+            if lo > 0 and not self.hops[lo - 1].alive or hi + 1 < len(self.hops) and not self.hops[hi + 1].alive:
+                # a neighbour's stream ended meanwhile: its session is detached, as good as lost; replace it too
+                lo, hi = (lo - 1, hi) if lo > 0 and not self.hops[lo - 1].alive else (lo, hi + 1)
+                failures += 1
+                continue
             up = self.hops[lo - 1] if lo > 0 else None
             down = self.hops[hi + 1] if hi + 1 < len(self.hops) else None
             replacement = await self._open_chain(self.hops[lo].start, self.hops[hi].end, linked=True,

@@ -32,6 +32,8 @@ from privacy.peer_ids import short_id
 
 logger = logging.getLogger(__name__)
 
+CHAINED_WAIT_FACTOR = 10  # a chained request without a tensor times out after this many request timeouts
+
 
 class SpanSession:
     """One session on one peer for blocks ``[start, end)``, over the client's shared stream to that peer."""
@@ -86,7 +88,10 @@ class SpanSession:
         future gets the output if ``returns`` (the last hop), else None once the hop pushed it downstream."""
         if self._stream is None:
             raise RuntimeError("open the session first")
-        return self._stream.queue_step(self.session_id, position, hidden, self.client.config.request_timeout,
+        # a hop waiting for its input may wait through a whole recovery upstream: heartbeats prove it alive meanwhile
+        # (a request's timeout ends the stream, and the session with it), and the peer bounds the wait itself
+        timeout = self.client.config.request_timeout * (1 if hidden is not None else CHAINED_WAIT_FACTOR)
+        return self._stream.queue_step(self.session_id, position, hidden, timeout,
                                        rows=self.batch_rows if returns else 0, hold=hold, tokens=tokens)
 
     def relink(self, *, upstream: str | None = None, downstream: SpanSession | None = None) -> None:
