@@ -21,7 +21,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from peers.wire.errors import RequestError
-from peers.wire.framing import FrameWriter, IncomingFrames, encode, end_of_stream
+from peers.wire.framing import HEADER_BYTES, FrameWriter, IncomingFrames, encode, end_of_stream
 from peers.wire.messages import (
     ForwardRequest,
     InferenceClose,
@@ -85,6 +85,8 @@ class PeerStream:
         self.step_messages = 0  # step messages sent (each may carry several sessions' steps)
         self._channel: SecureChannel | None = None  # set by the handshake: seals every tensor both ways
         self._idle_until = 0.0  # loop time when the pending requests started (liveness counts from then)
+        self.bytes_sent = 0  # frame bytes written to the stream (headers included)
+        self.bytes_received = 0  # frame bytes read from it (heartbeats included)
 
     @classmethod
     async def connect(cls, p2p: P2P, peer_id: str, *, encrypt: bool = True, timeout: float = 30.0,
@@ -304,7 +306,9 @@ class PeerStream:
         """Send the outbox's messages in order; at its end (``shutdown``), hivemind's end-of-stream frame."""
         try:
             while (message := await self._outbox.get()) is not None:
-                await out.send(encode(message))
+                frame = encode(message)
+                self.bytes_sent += len(frame)
+                await out.send(frame)
             await out.send(end_of_stream())
         except (ConnectionError, OSError) as e:
             self.shutdown(ConnectionError(f"stream to peer {short_id(self.peer_id)} broke while sending: {e!r}"))
@@ -315,6 +319,7 @@ class PeerStream:
     async def _frames(self):
         """The peer's replies, without its heartbeats."""
         while (message := await self._replies.get()) is not None:
+            self.bytes_received += 1 + HEADER_BYTES + message.ByteSize()
             if message.tensors or message.metadata != HEARTBEAT_METADATA:
                 yield message
 
