@@ -128,6 +128,9 @@ class StageServerConfig:
         return TrainerPolicy(self.trainers, private=self.swarm.credentials_path is not None)
 
 
+TOPOLOGIES = ("chain", "star")
+
+
 @dataclass(kw_only=True)
 class ClientConfig:
     """A client of the swarm: embeddings and head run locally, blocks on peers."""
@@ -147,8 +150,13 @@ class ClientConfig:
     local_blocks: int = 0  # run the first N blocks here too: peers never see the earliest activations
     allowed_peers: tuple[str, ...] = ()  # if set, only these peer ids compute for this client
     blocked_peers: tuple[str, ...] = ()  # these peer ids never compute for this client
+    # "chain": each peer pushes its output straight to the next one (the client's link carries the first input and
+    # the last output only); "star": every hidden state goes through the client (peers never talk to each other)
+    topology: str = "chain"
 
     def __post_init__(self) -> None:
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"topology must be one of {list(TOPOLOGIES)}, got {self.topology!r}")
         if self.torch_dtype not in DTYPES:
             raise ValueError(f"torch_dtype must be one of {list(DTYPES)}")
         if self.request_timeout <= 0 or self.max_retries < 0:

@@ -4,6 +4,7 @@ reading the tensor a request carries, and replies."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ class StreamState:
     channel: SecureChannel | None = None
     heartbeat: asyncio.Event = field(default_factory=asyncio.Event)  # set once the client's hello asked for them
     busy: bool = False  # a request is being handled
+    deferred: int = 0  # replies of deferred requests not written yet (``Deferred``)
     owned: dict[str, Session] = field(default_factory=dict)  # the inference sessions opened on this stream
 
     @property
@@ -55,7 +57,30 @@ class Call:
     stream: StreamState
 
 
-Handler = Callable[[Any, Call], Awaitable[Responses]]  # takes the request kind it is registered for
+@dataclass(eq=False)
+class Deferred:
+    """A reply that comes later (a chained request waiting for its input from another peer): the stream goes on
+    reading and handling its next requests meanwhile; replies are still written in request order."""
+
+    task: asyncio.Task
+
+
+def defer(work: Awaitable[Responses], what: str) -> Deferred:
+    """Run ``work`` concurrently with the stream's next requests; a refusal or a bug becomes an error reply."""
+
+    async def guarded() -> Responses:
+        try:
+            return await work
+        except (RequestError, ValueError, asyncio.TimeoutError) as e:
+            return [reply(error=str(e) or f"{what} exceeded its deadline")]
+        except Exception as e:  # a bug must cost one request, not the stream and its sessions
+            logging.getLogger(__name__).warning("A deferred %s failed: %r", what, e)
+            return [reply(error=f"internal error: {type(e).__name__}: {e}")]
+
+    return Deferred(asyncio.ensure_future(guarded()))
+
+
+Handler = Callable[[Any, Call], Awaitable["Responses | Deferred"]]  # takes the request kind it is registered for
 
 
 def elapsed_ms(started: float) -> float:

@@ -22,7 +22,17 @@ from hivemind.proto.p2pd_pb2 import RPCError
 
 from peers.core.aio import deadline
 from peers.server.backend import StageBackend
-from peers.server.calls import Call, Handler, Responses, StreamCalls, StreamState, elapsed_ms, reply, tensor_reply
+from peers.server.calls import (
+    Call,
+    Deferred,
+    Handler,
+    Responses,
+    StreamCalls,
+    StreamState,
+    elapsed_ms,
+    reply,
+    tensor_reply,
+)
 from peers.server.kv_sessions import SessionRegistry
 from peers.server.probe_calls import ProbeCalls, ProbeLimiter
 from peers.server.session_calls import SessionCalls
@@ -56,6 +66,7 @@ from privacy.peer_ids import short_id
 logger = logging.getLogger(__name__)
 
 MAX_STREAMS, MAX_STREAMS_PER_CALLER = 512, 16  # each may pin one unfinished frame (<= 1.25 MiB) for a while
+MAX_REPLIES_QUEUED = 64  # replies (or deferred ones) waiting to be written; then the stream stops reading requests
 HEARTBEAT_FRAME = encode(runtime_pb2.ExpertResponse(metadata=HEARTBEAT_METADATA))
 
 
@@ -104,12 +115,22 @@ class StreamHandler(StreamCalls):
         requests = IncomingFrames(reader, runtime_pb2.ExpertRequest, name=f"stream from {short_id(caller)}")
         stream = StreamState(admitted=not self.admission.required)
         heartbeat = asyncio.create_task(self._heartbeat(stream, requests, out))
+        replies: asyncio.Queue = asyncio.Queue(maxsize=MAX_REPLIES_QUEUED)  # in request order; bounded: backpressure
+        writer = asyncio.create_task(self._write_replies(replies, stream, out))
         try:
             async for responses in self.serve(requests, caller, stream):
-                await out.send(*(encode(r) for r in responses))
+                if isinstance(responses, Deferred):
+                    stream.deferred += 1
+                await replies.put(responses)
+            await replies.put(None)
+            await writer
         except (ConnectionError, OSError):
             pass  # the client went away while we answered
         finally:
+            writer.cancel()
+            while not replies.empty():  # deferred requests nobody will read the replies of
+                if isinstance(item := replies.get_nowait(), Deferred):
+                    item.task.cancel()
             if (left := self.open_streams.pop(caller) - 1) > 0:
                 self.open_streams[caller] = left
             heartbeat.cancel()
@@ -119,6 +140,28 @@ class StreamHandler(StreamCalls):
                 with contextlib.suppress(ConnectionError, OSError):
                     await out.send(encode(RPCError(message=requests.end.error), ERROR))
             out.close()
+
+    @staticmethod
+    async def _write_replies(replies: asyncio.Queue, stream: StreamState, out: FrameWriter) -> None:
+        """Write each request's replies in order, waiting for a deferred one's when its turn comes."""
+        gone = False  # the client went away: keep taking (and dropping) replies until the serve loop ends
+        while (item := await replies.get()) is not None:
+            if isinstance(item, Deferred):
+                if gone:
+                    item.task.cancel()
+                try:
+                    item = [] if gone else await item.task
+                except asyncio.CancelledError:
+                    if not item.task.cancelled():
+                        raise
+                    item = []
+                finally:
+                    stream.deferred -= 1
+            if not gone:
+                try:
+                    await out.send(*(encode(r) for r in item))
+                except (ConnectionError, OSError):
+                    gone = True
 
     def _too_many_streams(self, caller: str) -> str:
         """Streams are cheap to open and each may hold an unfinished frame (``peers.wire.framing``): bound them."""
@@ -135,14 +178,16 @@ class StreamHandler(StreamCalls):
         await stream.heartbeat.wait()  # streams whose hello did not ask cost no wake-ups
         while True:
             await asyncio.sleep(HEARTBEAT_PERIOD / 2)
-            if (stream.busy or requests.queued) and loop.time() - out.last_write >= HEARTBEAT_PERIOD:
+            if (stream.busy or stream.deferred or requests.queued) and loop.time() - out.last_write >= HEARTBEAT_PERIOD:
                 try:
                     await out.send(HEARTBEAT_FRAME)
                 except (ConnectionError, OSError):
                     return
 
-    async def serve(self, requests: IncomingFrames, caller: str, stream: StreamState) -> AsyncIterator[Responses]:
-        """The replies to each request of one stream, in order (an empty list: no reply is due)."""
+    async def serve(self, requests: IncomingFrames, caller: str, stream: StreamState
+                    ) -> AsyncIterator[Responses | Deferred]:
+        """The replies to each request of one stream, in order (an empty list: no reply is due; a ``Deferred``: it
+        comes later, while the next requests are handled)."""
         try:
             while (message := await requests.get()) is not None:
                 stream.busy = True
@@ -163,7 +208,7 @@ class StreamHandler(StreamCalls):
             if self.training is not None:
                 self.training.stream_closed(stream)
 
-    async def _dispatch(self, call: Call) -> Responses:
+    async def _dispatch(self, call: Call) -> Responses | Deferred:
         try:
             request = unpack_inference(call.message.metadata)
         except ValueError as e:

@@ -25,3 +25,17 @@ class CapacityError(RequestError):
     """A peer has no room for this request now (its cache, or this client's share of it, is full)."""
 
 
+
+
+class ChainError(ConnectionError):
+    """Chain: a peer could not hand its output to the next peer (``failed_peer``, which broke or refused it): a failure
+    of that peer, not a refusal of this one; the client re-routes around ``failed_peer``."""
+
+    def __init__(self, message: str, failed_peer: str) -> None:
+        super().__init__(message)
+        self.failed_peer = failed_peer
+
+
+def refusal_or_failure(message: str, failed_peer: str = "") -> RequestError | ChainError:
+    """A reply's error: the peer's own refusal, or (``failed_peer`` set) a failure further down the chain."""
+    return ChainError(message, failed_peer) if failed_peer else RequestError(message)

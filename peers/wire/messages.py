@@ -80,6 +80,11 @@ class InferenceOpen(Message):
     max_length: int  # tokens the session may hold (prompt + new tokens)
     batch_size: int
     resume: bool = False
+    # the chain (``peers.server.chain_calls``): who pushes this session's inputs ("" = the client, in its steps) and
+    # where its outputs go ("" = back to the client in the step replies; else pushed to that peer's session)
+    upstream: str = ""
+    downstream: str = ""
+    downstream_session: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +97,41 @@ class InferenceStep(Message):
 
     session_ids: list[str]
     positions: list[int]
+    # a replay into a replacement (chain): compute and keep the outputs, push nothing downstream, return nothing
+    hold: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class InferencePush(Message):
+    """Chain: a peer's outputs for sessions of the next peer (the tensor: their rows, concatenated in order), pushed
+    peer to peer. Accepted only from each session's named upstream; the reply acks it (``errors`` per part)."""
+
+    session_ids: list[str]
+    positions: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class InferenceRelink(Message):
+    """Chain: the client re-routes around a failed peer: this session's upstream and/or downstream change. No reply;
+    applied on arrival (also while a step of the session waits for its input)."""
+
+    session_id: str
+    set_upstream: bool = False
+    upstream: str = ""  # "" = the client
+    set_downstream: bool = False
+    downstream: str = ""  # "" = the client
+    downstream_session: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class InferenceReplay(Message):
+    """Chain recovery: push the outputs this session kept for positions ``[0, upto)`` to a new downstream session (a
+    replacement of the failed next peer), which becomes the session's downstream."""
+
+    session_id: str
+    upto: int
+    downstream: str
+    downstream_session: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +170,9 @@ class TrainOpen(Message):
     outer_momentum: float = 0.0
     explicit_apply: bool = False  # step only on TrainApply (two-phase), not after `accumulation` backwards
     run_step: int = 0  # the run's optimizer steps so far: a replica that joins mid-run starts counting there
+    # chain: the peers of the adjacent stages (all their replicas in this run) that may push to us; empty = the trainer
+    upstream: list[str] = dataclasses.field(default_factory=list)
+    downstream: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +205,10 @@ class TrainForward(Message):
 
     run_id: str
     micro_id: str
+    # chain: this micro-batch's neighbours on its route ("" = the trainer). With a peer upstream the request carries no
+    # tensor (the input comes as a TrainPush); with a peer downstream the output is pushed there, not returned
+    upstream: str = ""
+    downstream: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +219,20 @@ class TrainBackward(Message):
     run_id: str
     micro_id: str
     recompute: bool = False
+    # chain: "upstream" is the next stage (it pushes the grad of our output), "downstream" the previous one (it gets
+    # the grad of our input); "" = the trainer
+    upstream: str = ""
+    downstream: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainPush(Message):
+    """Chain: a stage's output (forward) or the grad of its input (``backward``) for micro-batch ``micro_id``, pushed to
+    the next (previous) stage of the route; accepted only from the run's named neighbours."""
+
+    run_id: str
+    micro_id: str
+    backward: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,12 +260,14 @@ class InferenceReply(Message):
     compute_ms: float = 0.0
     heartbeat: float = 0.0  # in a hello's reply: the period of the heartbeats the peer will send (0: none)
     alive: bool = False  # a heartbeat: not a reply to any request
+    failed_peer: str = ""  # chain: the peer (downstream of this one) whose failure caused ``error``
 
 
 INFERENCE_KINDS: dict[str, type[Message]] = {
     "hello": InferenceHello, "open": InferenceOpen, "step": InferenceStep, "close": InferenceClose,
     "forward": ForwardRequest, "train_open": TrainOpen, "train_forward": TrainForward, "train_backward": TrainBackward,
     "params_push": ParamsPush, "params_fetch": ParamsFetch, "train_apply": TrainApply, "probe": LinkProbe,
+    "push": InferencePush, "relink": InferenceRelink, "replay": InferenceReplay, "train_push": TrainPush,
 }
 
 

@@ -13,20 +13,21 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
-from peers.wire.errors import RequestError
-from peers.wire.framing import HEADER_BYTES, FrameWriter, IncomingFrames, encode, end_of_stream
+from peers.wire.errors import RequestError, refusal_or_failure
+from peers.wire.framing import FrameWriter, IncomingFrames, encode, end_of_stream
 from peers.wire.messages import (
     ForwardRequest,
     InferenceClose,
     InferenceHello,
     InferenceOpen,
+    InferencePush,
     InferenceReply,
     InferenceStep,
     Message,
@@ -59,11 +60,22 @@ class _Due:
 
 @dataclass(eq=False)
 class _Step:
+    """A session's step (or, ``push``, a peer's push into a session of the next peer) waiting to be sent."""
+
     session_id: str
     position: int
-    hidden: torch.Tensor
+    hidden: torch.Tensor | None  # None: a chain step whose input the peer gets from its upstream
     timeout: float
     future: asyncio.Future = field(repr=False)
+    rows: int = 0  # rows of its output in the reply (0: none, its output goes downstream)
+    hold: bool = False
+    push: bool = False
+
+    @property
+    def group(self) -> tuple:
+        """Steps travel together only with steps of the same kind and number of new tokens."""
+        tokens = None if self.hidden is None else self.hidden.shape[1]
+        return self.push, self.hold, tokens
 
 
 class PeerStream:
@@ -83,10 +95,9 @@ class PeerStream:
         self._watchdog: asyncio.Task | None = None
         self._replies: IncomingFrames | None = None
         self.step_messages = 0  # step messages sent (each may carry several sessions' steps)
+        self.bytes_sent = self.bytes_received = 0  # message bytes both ways (heartbeats included)
         self._channel: SecureChannel | None = None  # set by the handshake: seals every tensor both ways
         self._idle_until = 0.0  # loop time when the pending requests started (liveness counts from then)
-        self.bytes_sent = 0  # frame bytes written to the stream (headers included)
-        self.bytes_received = 0  # frame bytes read from it (heartbeats included)
 
     @classmethod
     async def connect(cls, p2p: P2P, peer_id: str, *, encrypt: bool = True, timeout: float = 30.0,
@@ -178,12 +189,40 @@ class PeerStream:
 
     async def step(self, session_id: str, position: int, hidden: torch.Tensor, timeout: float) -> torch.Tensor:
         """The outputs of one session's step; may travel together with other sessions' steps."""
+        return await self.queue_step(session_id, position, hidden, timeout, rows=hidden.shape[0])
+
+    def queue_step(self, session_id: str, position: int, hidden: torch.Tensor | None, timeout: float, *,
+                   rows: int, hold: bool = False, push: bool = False) -> asyncio.Future:
+        """Queue a step now (chain steps may carry no tensor: the peer's upstream pushes it); the future gets the
+        step's output rows (``rows`` of them, or None with ``rows=0``: the output went downstream). With ``push``,
+        a push into the next peer's session instead (``InferencePush``; the future gets None)."""
+        future = asyncio.get_running_loop().create_future()
         if self.closed:
-            raise ConnectionError(f"stream to peer {short_id(self.peer_id)} is closed")
-        step = _Step(session_id, position, hidden, timeout, asyncio.get_running_loop().create_future())
-        self._pending.append(step)
+            future.set_exception(ConnectionError(f"stream to peer {short_id(self.peer_id)} is closed"))
+            return future
+        self._pending.append(_Step(session_id, position, hidden, timeout, future, rows, hold, push))
         self._schedule_flush()
-        return await step.future
+        return future
+
+    async def push(self, session_id: str, position: int, hidden: torch.Tensor, timeout: float) -> None:
+        """Push our outputs into a session of this (next) peer: the chain; may travel with other sessions' pushes."""
+        await self.queue_step(session_id, position, hidden, timeout, rows=0, push=True)
+
+    def submit(self, message: Message, tensor: torch.Tensor | None, timeout: float
+               ) -> Awaitable[tuple[InferenceReply, torch.Tensor | None]]:
+        """Queue one request at once (in the order of the calls, across streams too: the trainer sends each phase
+        of a micro-batch to every stage this way) and return an awaitable of its reply; ``RequestError`` if it
+        was refused."""
+        future = self._send(pack_inference(message), tensor, timeout)
+
+        async def checked() -> tuple[InferenceReply, torch.Tensor | None]:
+            reply, output = await future
+            if reply.error:
+                raise refusal_or_failure(f"peer {short_id(self.peer_id)} refused {type(message).__name__}: "
+                                         f"{reply.error}", reply.failed_peer)
+            return reply, output
+
+        return checked()
 
     def close_sessions(self, session_ids: list[str], *, detach: bool = False) -> None:
         """Free (or detach) sessions on the peer; no reply is awaited."""
@@ -224,22 +263,24 @@ class PeerStream:
         self._flush_scheduled = False
         if self._in_flight or self.closed or not self._pending:
             return
-        tokens = self._pending[0].hidden.shape[1]
+        kind = self._pending[0].group
         group, rest, size = [], [], 0
         for step in self._pending:
-            step_tokens = step.hidden.shape[0] * step.hidden.shape[1]
-            if not group or (step.hidden.shape[1] == tokens and size + step_tokens <= MAX_COALESCED_TOKENS):
+            step_tokens = 1 if step.hidden is None else step.hidden.shape[0] * step.hidden.shape[1]
+            if not group or (step.group == kind and size + step_tokens <= MAX_COALESCED_TOKENS):
                 group.append(step)
                 size += step_tokens
             else:
                 rest.append(step)
         self._pending = rest
-        metadata = pack_inference(InferenceStep(session_ids=[s.session_id for s in group],
-                                                positions=[s.position for s in group]))
-        hidden = torch.cat([s.hidden for s in group]) if len(group) > 1 else group[0].hidden
+        ids, positions = [s.session_id for s in group], [s.position for s in group]
+        message = (InferencePush(session_ids=ids, positions=positions) if group[0].push else
+                   InferenceStep(session_ids=ids, positions=positions, hold=group[0].hold))
+        tensors = [s.hidden for s in group if s.hidden is not None]
+        hidden = None if not tensors else torch.cat(tensors) if len(tensors) > 1 else tensors[0]
         self._in_flight = True
         self.step_messages += 1
-        reply = asyncio.ensure_future(self._request(metadata, hidden, max(s.timeout for s in group)))
+        reply = self._send(pack_inference(message), hidden, max(s.timeout for s in group))
         reply.add_done_callback(lambda done: self._deliver(done, group))
 
     def _deliver(self, done: asyncio.Future, group: list[_Step]) -> None:
@@ -251,30 +292,39 @@ class PeerStream:
                     step.future.set_exception(error)
         else:
             reply, output = done.result()
-            accepted = [s for s, e in zip(group, reply.errors, strict=False) if not e]
-            if reply.error or len(reply.errors) != len(group):
+            what = "a push" if group[0].push else "a step"
+            accepted = [s for s, e in zip(group, reply.errors, strict=False) if not e and s.rows]
+            rows = sum(s.rows for s in accepted)
+            if reply.error or len(reply.errors) != len(group) or (output.shape[0] if output is not None else 0) != rows:
                 why = reply.error or "malformed reply"
-                error = RequestError(f"peer {short_id(self.peer_id)} refused a step: {why}")
+                error = refusal_or_failure(f"peer {short_id(self.peer_id)} refused {what}: {why}", reply.failed_peer)
                 for step in group:
-                    step.future.set_exception(error)
+                    if not step.future.done():
+                        step.future.set_exception(error)
             else:
-                outputs = iter(output.split([len(s.hidden) for s in accepted]) if accepted else ())
+                outputs = iter(output.split([s.rows for s in accepted]) if accepted and output is not None else ())
                 for step, message in zip(group, reply.errors, strict=True):
                     if step.future.done():
                         continue
                     if message:
-                        refusal = f"peer {short_id(self.peer_id)} refused a step: {message}"
-                        step.future.set_exception(RequestError(refusal))
+                        refusal = f"peer {short_id(self.peer_id)} refused {what}: {message}"
+                        step.future.set_exception(refusal_or_failure(refusal, reply.failed_peer))
                     else:
-                        step.future.set_result(next(outputs))
+                        step.future.set_result(next(outputs) if step.rows else None)
         self._schedule_flush()
 
     async def _request(self, metadata: bytes, hidden: torch.Tensor | None, timeout: float, *, observe: bool = True):
         """Send one request and wait for its reply ``(InferenceReply, tensor or None)``."""
-        if self.closed:
-            raise ConnectionError(f"stream to peer {short_id(self.peer_id)} is closed")
+        return await self._send(metadata, hidden, timeout, observe=observe)
+
+    def _send(self, metadata: bytes, hidden: torch.Tensor | None, timeout: float, *, observe: bool = True
+              ) -> asyncio.Future:
+        """Queue one request now; the future of its reply ``(InferenceReply, tensor or None)``."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
+        if self.closed:
+            future.set_exception(ConnectionError(f"stream to peer {short_id(self.peer_id)} is closed"))
+            return future
         timer = loop.call_later(timeout, self._expire, future, timeout)
         alone = not self._waiting
         if alone:
@@ -284,7 +334,7 @@ class PeerStream:
         self._waiting.append(_Due(future, timer, time.perf_counter(), sent))
         for message in messages:
             self._outbox.put_nowait(message)
-        return await future
+        return future
 
     @property
     def encrypted(self) -> bool:
@@ -306,9 +356,8 @@ class PeerStream:
         """Send the outbox's messages in order; at its end (``shutdown``), hivemind's end-of-stream frame."""
         try:
             while (message := await self._outbox.get()) is not None:
-                frame = encode(message)
-                self.bytes_sent += len(frame)
-                await out.send(frame)
+                self.bytes_sent += message.ByteSize()
+                await out.send(encode(message))
             await out.send(end_of_stream())
         except (ConnectionError, OSError) as e:
             self.shutdown(ConnectionError(f"stream to peer {short_id(self.peer_id)} broke while sending: {e!r}"))
@@ -319,7 +368,7 @@ class PeerStream:
     async def _frames(self):
         """The peer's replies, without its heartbeats."""
         while (message := await self._replies.get()) is not None:
-            self.bytes_received += 1 + HEADER_BYTES + message.ByteSize()
+            self.bytes_received += message.ByteSize()
             if message.tensors or message.metadata != HEARTBEAT_METADATA:
                 yield message
 
