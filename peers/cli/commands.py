@@ -104,6 +104,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--request_timeout", type=float, default=30.0, help="seconds per step before re-routing")
     gen.add_argument("--local_blocks", type=int, default=0,
                      help="also run the first N blocks here, so peers never see the earliest activations")
+    gen.add_argument("--topology", choices=("chain", "star"), default="chain",
+                     help="chain: each peer hands its output straight to the next one (default); star: every hidden "
+                          "state goes through this machine")
     gen.set_defaults(func=_cmd_generate)
 
     add_membership_commands(sub)
@@ -220,7 +223,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     sample = any(x is not None for x in (args.temperature, args.top_k, args.top_p))
     sampling = SamplingConfig(do_sample=sample, temperature=args.temperature or 1.0, top_k=args.top_k,
                               top_p=args.top_p, seed=args.seed)
-    config = ClientConfig(swarm=swarm, request_timeout=args.request_timeout, local_blocks=args.local_blocks)
+    config = ClientConfig(swarm=swarm, request_timeout=args.request_timeout, local_blocks=args.local_blocks,
+                          topology=args.topology)
     with SwarmClient(args.model_dir, config=config) as client:
         try:
             for piece in stream_text(client, args.prompt, args.max_new_tokens, sampling=sampling):

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-from peers.client.inference_session import InferenceSession
 from peers.client.node import ClientNode
 
 
@@ -73,7 +72,7 @@ async def generate_stream(
         generator = torch.Generator().manual_seed(sampling.seed)
     stops = torch.tensor(list(stop_tokens), dtype=torch.long)
     finished = torch.zeros(batch, dtype=torch.bool)
-    async with InferenceSession(client, max_length=max_length, batch_size=batch) as session:
+    async with client.inference_session(max_length=max_length, batch_size=batch) as session:
         tokens, position = input_ids.to(client.device), 0
         for _ in range(max_new_tokens):
             positions = torch.arange(position, position + tokens.shape[1], device=client.device).expand_as(tokens)

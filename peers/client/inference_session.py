@@ -17,13 +17,14 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Awaitable
 
 import torch
 
 from peers.client.node import ClientNode
 from peers.client.retry import backoff, classify, is_final
 from peers.wire.errors import CapacityError, RequestError
-from peers.wire.messages import InferenceOpen
+from peers.wire.messages import InferenceOpen, InferenceRelink, InferenceReplay
 from peers.wire.stream import PeerStream
 from privacy.errors import MembershipError
 from privacy.peer_ids import short_id
@@ -41,16 +42,20 @@ class SpanSession:
         self.length = 0
         self._stream: PeerStream | None = None
         self._step_seconds: float | None = None  # EMA of this hop's single-token step time
+        # the chain (``peers.client.chain_session``): the peers before and after this one ("": the client)
+        self.upstream = self.downstream = self.downstream_session = ""
+        self.batch_rows = 0
 
     async def open(self, max_length: int, batch_size: int, *, resume: bool = False) -> None:
         """Open the session on the peer (``resume``: re-attach this client's detached session)."""
         self._stream = await self.client.peer_stream(self.peer_id)
         request = InferenceOpen(session_id=self.session_id, start=self.start, end=self.end,
-                                max_length=max_length, batch_size=batch_size, resume=resume)
+                                max_length=max_length, batch_size=batch_size, resume=resume, upstream=self.upstream,
+                                downstream=self.downstream, downstream_session=self.downstream_session)
         reply = await self._stream.open(request, self.client.config.request_timeout)
         if reply.error:
             raise classify(RequestError(f"peer {short_id(self.peer_id)} refused the session: {reply.error}"))
-        self.length = reply.length
+        self.length, self.batch_rows = reply.length, batch_size
 
     async def step(self, hidden: torch.Tensor) -> torch.Tensor:
         """Send tokens ``[length, length + T)``; return the hop's output hidden states."""
@@ -74,6 +79,41 @@ class SpanSession:
             self._step_seconds = elapsed if self._step_seconds is None else 0.9 * self._step_seconds + 0.1 * elapsed
         return output
 
+    def queue(self, position: int, hidden: torch.Tensor | None, *, tokens: int, returns: bool, hold: bool = False
+              ) -> asyncio.Future:
+        """Chain: queue this hop's step at ``position`` now (``hidden`` None: its upstream pushes the input); the
+        future gets the output if ``returns`` (the last hop), else None once the hop pushed it downstream."""
+        if self._stream is None:
+            raise RuntimeError("open the session first")
+        return self._stream.queue_step(self.session_id, position, hidden, self.client.config.request_timeout,
+                                       rows=self.batch_rows if returns else 0, hold=hold, tokens=tokens)
+
+    def relink(self, *, upstream: str | None = None, downstream: SpanSession | None = None) -> None:
+        """Chain: tell the peer this session's new upstream (or downstream), no reply awaited."""
+        if upstream is not None:
+            self.upstream = upstream
+        if downstream is not None:
+            self.downstream, self.downstream_session = downstream.peer_id, downstream.session_id
+        if self._stream is not None:
+            self._stream.send_without_reply(InferenceRelink(
+                session_id=self.session_id, set_upstream=upstream is not None, upstream=self.upstream,
+                set_downstream=downstream is not None, downstream=self.downstream,
+                downstream_session=self.downstream_session))
+
+    def replay(self, upto: int, downstream: SpanSession) -> Awaitable:
+        """Chain: have the peer push the outputs it kept for tokens ``[0, upto)`` into ``downstream`` (a
+        replacement of the failed next hop), which becomes its downstream."""
+        if self._stream is None:
+            raise RuntimeError("open the session first")
+        self.downstream, self.downstream_session = downstream.peer_id, downstream.session_id
+        return self._stream.submit(InferenceReplay(session_id=self.session_id, upto=upto, downstream=downstream.peer_id,
+                                                   downstream_session=downstream.session_id),
+                                   None, self.client.config.request_timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._stream is not None and not self._stream.closed
+
     def _step_timeout(self, tokens: int) -> float:
         """A dead peer is noticed in a few typical step times, not after the whole request timeout."""
         config = self.client.config
@@ -91,6 +131,17 @@ class SpanSession:
         """Leave the session without freeing it: the peer keeps the cache for a resume until its timeout."""
         if self._stream is not None:
             self._stream.close_sessions([self.session_id], detach=True)
+
+
+def link(hops: list[SpanSession], upstream: str = "", downstream: SpanSession | None = None) -> None:
+    """Chain the hops: each one's output goes to the next one's session; the first takes its input from ``upstream``
+    ("": the client), the last hands its output to ``downstream`` (None: the client)."""
+    for before, after in zip([None, *hops], [*hops, downstream], strict=True):
+        if before is not None:
+            before.downstream = after.peer_id if after is not None else ""
+            before.downstream_session = after.session_id if after is not None else ""
+        if after is not None and after in hops:
+            after.upstream = before.peer_id if before is not None else upstream
 
 
 def _truncate(history: list[torch.Tensor], position: int) -> list[torch.Tensor]:
@@ -188,15 +239,21 @@ class InferenceSession:
         logger.info("Replaced peer %s (blocks %d:%d) with %s after: %s", short_id(failed.peer_id), failed.start,
                     failed.end, ", ".join(f"{short_id(h.peer_id)} ({h.start}:{h.end})" for h in replacement), error)
 
-    async def _open_chain(self, start: int, end: int) -> list[SpanSession]:
+    async def _open_chain(self, start: int, end: int, *, linked: bool = False, upstream: str = "",
+                          downstream: SpanSession | None = None) -> list[SpanSession]:
         """Sessions on a chain for ``[start, end)``. A busy peer is routed around (the router waits for one to be
-        free up to its ``max_wait``); a failing one is banned and the chain re-chosen, ``max_retries`` times."""
+        free up to its ``max_wait``); a failing one is banned and the chain re-chosen, ``max_retries`` times.
+
+        ``linked``: each session pushes its outputs to the next one (the chain topology); the first takes its
+        inputs from ``upstream`` ("": the client), the last pushes to ``downstream`` (None: back to the client)."""
         router, attempts = self.client.router, 0
         deadline = time.monotonic() + router.max_wait
         refused: dict[str, str] = {}  # peers that had no room for this session: what they said
         while True:
             chain = await router.make_chain(start, end, wait=max(0.0, deadline - time.monotonic()))
             hops = [SpanSession(self.client, h.peer_id, h.start, h.end, secrets.token_hex(16)) for h in chain]
+            if linked:
+                link(hops, upstream, downstream)
             started = time.monotonic()
             results = await asyncio.gather(*(h.open(self.max_length, self.batch_size) for h in hops),
                                            return_exceptions=True)

@@ -12,6 +12,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
+from peers.client.chain_session import ChainSession
 from peers.client.generation import SamplingConfig, generate_stream
 from peers.client.inference_session import InferenceSession
 from peers.client.retry import backoff, classify
@@ -150,8 +151,10 @@ class SwarmClient:
         return self._loop.aiterate(stream)
 
     def inference_session(self, *, max_length: int, batch_size: int = 1) -> InferenceSession:
-        """An ``async with`` session for custom decoding loops (run it on ``client.loop``)."""
-        return InferenceSession(self, max_length=max_length, batch_size=batch_size)
+        """An ``async with`` session for custom decoding loops (run it on ``client.loop``): a ``ChainSession`` (peers
+        push their outputs to each other) or, with ``topology="star"``, an ``InferenceSession`` (all through us)."""
+        cls = ChainSession if self.config.topology == "chain" else InferenceSession
+        return cls(self, max_length=max_length, batch_size=batch_size)
 
     @property
     def loop(self):
@@ -194,12 +197,18 @@ class SwarmClient:
 
     # ---- async internals -------------------------------------------------------------------------
     async def run_blocks_async(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Through a chain of peers; a failing peer is banned and its span re-routed (bounded retries).
+        """Through a chain of peers; a failing peer is banned and its span re-routed (bounded retries). With
+        ``topology="chain"`` the peers hand the hidden states to each other (a one-step ``ChainSession``), with
+        ``"star"`` each hop's output comes back here (stateless forwards).
 
         A refusal (``RequestError``), being no member (``MembershipError``) or no route (``NoRouteError``: nobody
         serves a span, all its peers are banned or busy, or the swarm is private) is raised at once."""
         position, failures = start, 0
         hidden = hidden.detach().to("cpu", self.dtype)
+        if self.config.topology == "chain":  # a one-step session down a chain of peers that push to each other
+            async with ChainSession(self, max_length=hidden.shape[1], batch_size=hidden.shape[0],
+                                    span=(start, end)) as session:
+                return await session.step(hidden)
         while position < end:
             chain = await self.router.make_chain(position, end)
             for hop in chain:

@@ -12,6 +12,7 @@ from hivemind.proto import runtime_pb2
 
 from peers.core.finite import all_finite
 from peers.server.backend import StageBackend
+from peers.server.chain_calls import StreamFor
 from peers.server.kv_sessions import SessionRegistry
 from peers.server.stream_handler import StreamHandler
 from peers.server.training_rpc import TrainingRPC
@@ -31,14 +32,14 @@ class StageHandler(StageService):
     def __init__(
         self, backend: StageBackend, info: StageInfo, sessions: SessionRegistry, *, request_timeout: float,
         identity: Identity, require_encryption: bool = True, admission: Admission | None = None,
-        training: TrainingRPC | None = None,
+        training: TrainingRPC | None = None, stream_for: StreamFor | None = None,
     ) -> None:
         self.backend, self.info, self.sessions, self.request_timeout = backend, info, sessions, request_timeout
         self.identity, self.admission = identity, admission or Admission()
         self.inference = StreamHandler(backend, info, sessions, request_timeout=request_timeout,
                                       check_hidden=self._check_hidden, check_blocks=self._check_blocks,
                                       identity=identity, require_encryption=require_encryption,
-                                      admission=self.admission, training=training)
+                                      admission=self.admission, training=training, stream_for=stream_for)
         self.training = training
 
     async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertInfo:

@@ -81,6 +81,11 @@ class Inbox:
                 slot.future.set_exception(RequestError(reason))
         return len(keys)
 
+    def drop_untaken(self, match: Callable[[Hashable], bool]) -> None:
+        """Forget tensors that no request took yet for keys that ``match`` (their pusher is no longer the upstream)."""
+        for key in [k for k, s in self._slots.items() if match(k) and not s.waited]:
+            del self._slots[key]
+
     def _reap(self) -> None:
         now = time.monotonic()
         for key in [k for k, s in self._slots.items() if not s.waited and now - s.since > self.ttl]:

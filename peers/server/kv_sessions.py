@@ -15,13 +15,18 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
 
 from peers.model import KV
 from peers.wire.errors import CAPACITY_REFUSAL, CapacityError, RequestError
 from peers.wire.messages import InferenceOpen
 
 logger = logging.getLogger(__name__)
+
+MAX_PEER_ID_CHARS = 128  # base58 peer ids are ~52 characters
 
 
 @dataclass
@@ -38,16 +43,51 @@ class Session:
     length: int = 0  # tokens in the cache
     attached: bool = True  # a stream is using it now
     last_used: float = field(default_factory=time.monotonic)
+    # the chain (``peers.server.chain_calls``): who pushes our inputs and where our outputs go ("": the client)
+    upstream: str = ""
+    downstream: str = ""
+    downstream_session: str = ""
+    kept: list[torch.Tensor] = field(default_factory=list, repr=False)  # outputs sent downstream, for a replay
+    order: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)  # chain steps of this session, in turn
 
     @property
     def reserved_tokens(self) -> int:
         return self.max_length * self.batch_size
+
+    @property
+    def chained(self) -> bool:
+        return bool(self.upstream or self.downstream)
 
     def truncate(self, position: int) -> None:
         """Roll the cache back to its first ``position`` tokens (a step the client re-sends)."""
         if position < self.length:
             self.past = None if position == 0 else [(k[:, :, :position], v[:, :, :position]) for k, v in self.past]
             self.length = position
+        self.kept = _first_tokens(self.kept, position)
+
+    def keep(self, position: int, output: torch.Tensor) -> None:
+        """Remember the outputs of tokens ``[position, position + T)`` (sent downstream) for a replay."""
+        self.kept = _first_tokens(self.kept, position)
+        if sum(x.shape[1] for x in self.kept) == position:
+            self.kept.append(output)
+
+    def kept_outputs(self, upto: int) -> torch.Tensor | None:
+        """The outputs kept for tokens ``[0, upto)``, or None if we do not hold them all."""
+        kept = _first_tokens(self.kept, upto)
+        if sum(x.shape[1] for x in kept) != upto or not kept:
+            return None
+        return torch.cat(kept, dim=1)
+
+
+def _first_tokens(chunks: list[torch.Tensor], position: int) -> list[torch.Tensor]:
+    """The first ``position`` tokens of ``chunks`` (each ``[batch, T, hidden]``), as chunks."""
+    kept, total = [], 0
+    for x in chunks:
+        if total >= position:
+            break
+        kept.append(x[:, : position - total])
+        total += kept[-1].shape[1]
+    return kept
 
 
 @dataclass(eq=False)
@@ -82,6 +122,7 @@ class SessionRegistry:
         self.sessions: dict[str, Session] = {}
         self._queue: list[_Waiter] = []  # opens waiting for space, first come first served
         self._refused: dict[str, float] = {}  # owner -> when an open within its share was last refused for space
+        self.on_close: list[Callable[[str], None]] = []  # told each freed session id (the chain drops its pushes)
 
     @property
     def tokens_used(self) -> int:
@@ -136,6 +177,8 @@ class SessionRegistry:
     def close(self, session_id: str) -> None:
         """Free a session's cache now (and hand the space to waiting opens)."""
         if self.sessions.pop(session_id, None) is not None:
+            for hook in self.on_close:
+                hook(session_id)
             self._grant()
 
     def detach(self, session_id: str) -> None:
@@ -183,6 +226,12 @@ class SessionRegistry:
             raise RequestError(f"max_length must be in 1..{self.max_length_limit}, got {request.max_length}")
         if request.batch_size < 1:
             raise RequestError("batch_size must be >= 1")
+        if max(len(request.upstream), len(request.downstream)) > MAX_PEER_ID_CHARS or (
+                bool(request.downstream) != bool(request.downstream_session)) or len(request.downstream_session) > 64:
+            raise RequestError("upstream and downstream must be peer ids (or empty), and a downstream needs its "
+                               "downstream_session (1..64 characters)")
+        if owner in (request.upstream, request.downstream):
+            raise RequestError("a session's upstream or downstream is another peer, or empty for the client itself")
         wanted = request.max_length * request.batch_size
         if wanted > self.cache_tokens:
             raise RequestError(f"this session needs {wanted} token slots but this peer's whole cache has "
@@ -220,7 +269,8 @@ class SessionRegistry:
             self._queue.remove(waiter)
             request = waiter.request
             session = Session(request.session_id, waiter.owner, request.start, request.end, request.max_length,
-                              request.batch_size)
+                              request.batch_size, upstream=request.upstream, downstream=request.downstream,
+                              downstream_session=request.downstream_session)
             self.sessions[session.session_id] = session
             self._refused.pop(waiter.owner, None)
             waiter.granted.set_result(session)

@@ -17,7 +17,8 @@ from hivemind.proto import runtime_pb2
 
 from peers.core.aio import deadline
 from peers.server.backend import StageBackend
-from peers.server.calls import Call, Responses, StreamCalls, elapsed_ms, reply, tensor_reply
+from peers.server.calls import Call, Deferred, Responses, StreamCalls, elapsed_ms, reply, tensor_reply
+from peers.server.chain_calls import ChainCalls, check_step
 from peers.server.kv_sessions import Session, SessionRegistry
 from peers.wire.errors import RequestError
 from peers.wire.messages import InferenceClose, InferenceOpen, InferenceReply, InferenceStep, StageInfo
@@ -30,9 +31,10 @@ class SessionCalls(StreamCalls):
     """Opens, steps and closes the sessions of a stream on ``backend`` within ``sessions``' cache budget."""
 
     def __init__(self, backend: StageBackend, sessions: SessionRegistry, info: StageInfo, *,
-                 check_hidden: Callable[..., None], request_timeout: float, require_encryption: bool) -> None:
+                 check_hidden: Callable[..., None], request_timeout: float, require_encryption: bool,
+                 chain: ChainCalls) -> None:
         super().__init__(info, request_timeout=request_timeout, require_encryption=require_encryption)
-        self.backend, self.sessions, self.check_hidden = backend, sessions, check_hidden
+        self.backend, self.sessions, self.check_hidden, self.chain = backend, sessions, check_hidden, chain
 
     async def open(self, request: InferenceOpen, call: Call) -> Responses:
         """Open (or resume) a session."""
@@ -40,6 +42,8 @@ class SessionCalls(StreamCalls):
         try:
             if not 1 <= request.batch_size <= self.info.max_batch_size:
                 raise RequestError(f"batch_size must be in 1..{self.info.max_batch_size} on this peer")
+            if not request.resume:
+                self.chain.check_open(request.upstream, request.downstream)
             live = any(self.sessions.sessions.get(i) is s for i, s in owned.items())
             session = await self.sessions.open(request, call.caller, (self.info.start, self.info.end),
                                                wait=0.0 if live else None)
@@ -56,12 +60,18 @@ class SessionCalls(StreamCalls):
                 (self.sessions.detach if request.detach else self.sessions.close)(session_id)
         return []
 
-    async def steps(self, request: InferenceStep, call: Call) -> Responses:
-        """Validate each part, run the valid ones (the backend batches them), reply with outputs and errors."""
+    async def steps(self, request: InferenceStep, call: Call) -> Responses | Deferred:
+        """Validate each part, run the valid ones (the backend batches them), reply with outputs and errors.
+        Steps of chained sessions (an upstream or downstream peer) go to ``peers.server.chain_calls``."""
         try:
-            hidden = await self.read_tensor(call)
+            hidden = await self.read_tensor(call) if call.message.tensors else None
             started = time.perf_counter()  # from here on, the time is ours, not the network's
-            parts = self._split(request, hidden, call.stream.owned)
+            sessions = self._sessions(request, call.stream.owned)
+            if request.hold or any(s.chained for s in sessions):
+                return self.chain.steps(request, call, sessions, hidden)
+            if hidden is None:
+                raise RequestError("this request must carry a tensor")
+            parts = self._split(sessions, request, hidden)
         except (RequestError, ValueError, asyncio.TimeoutError) as e:
             error = str(e) or f"step exceeded the deadline of {self.request_timeout:.0f} s"
             logger.info("rpc_inference step refused: %s", error)
@@ -69,7 +79,7 @@ class SessionCalls(StreamCalls):
         errors, tasks = [], []
         for session, part, position in parts:
             try:
-                _check_step(session, part, position)
+                check_step(session, part, position)
             except RequestError as e:
                 errors.append(str(e))
                 continue
@@ -86,8 +96,7 @@ class SessionCalls(StreamCalls):
         output = torch.cat(outputs)
         return tensor_reply(output, InferenceReply(errors=errors, compute_ms=elapsed_ms(started)), call.stream)
 
-    def _split(self, request: InferenceStep, hidden: torch.Tensor, owned: dict[str, Session]
-               ) -> list[tuple[Session, torch.Tensor, int]]:
+    def _sessions(self, request: InferenceStep, owned: dict[str, Session]) -> list[Session]:
         ids, positions = request.session_ids, request.positions
         if not ids or len(ids) != len(positions) or len(set(ids)) != len(ids):
             raise RequestError("a step needs distinct session_ids and one position per session")
@@ -100,6 +109,11 @@ class SessionCalls(StreamCalls):
                 owned.pop(session_id)
                 raise RequestError(f"session {session_id!r} was freed after being idle; open a new one")
             sessions.append(session)
+        return sessions
+
+    def _split(self, sessions: list[Session], request: InferenceStep, hidden: torch.Tensor
+               ) -> list[tuple[Session, torch.Tensor, int]]:
+        positions = request.positions
         rows = [s.batch_size for s in sessions]
         self.check_hidden(hidden, max_rows=sum(rows))
         if hidden.shape[0] != sum(rows):
@@ -108,12 +122,3 @@ class SessionCalls(StreamCalls):
             raise RequestError(f"a step of several sessions may carry up to {self.backend.max_batch_tokens} tokens")
         return list(zip(sessions, hidden.split(rows), positions, strict=True))
 
-
-def _check_step(session: Session, part: torch.Tensor, position: int) -> None:
-    if not 0 <= position <= session.length:
-        raise RequestError(f"step starts at token {position} but the session holds {session.length}")
-    if position + part.shape[1] > session.max_length:
-        raise RequestError(
-            f"step would reach {position + part.shape[1]} tokens, beyond the session's max_length "
-            f"{session.max_length}; open a session with a larger max_length"
-        )

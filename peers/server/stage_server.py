@@ -101,7 +101,7 @@ class StageServer:
             training = await self._training(blocks, info, links)
             handler = StageHandler(backend, info, sessions, request_timeout=self.config.request_timeout,
                                    identity=self.identity, require_encryption=self.config.require_encryption,
-                                   admission=self.admission, training=training)
+                                   admission=self.admission, training=training, stream_for=links.get)
             await handler.add_p2p_handlers(self.node.p2p)
             addresses = tuple(await visible_maddrs(self.node))  # announced or relayed ones (swarm.discovery)
             announcer.update(state=PeerState.ONLINE, throughput=throughput, addresses=addresses,

@@ -33,6 +33,7 @@ from peers.server.calls import (
     reply,
     tensor_reply,
 )
+from peers.server.chain_calls import ChainCalls, StreamFor
 from peers.server.kv_sessions import SessionRegistry
 from peers.server.probe_calls import ProbeCalls, ProbeLimiter
 from peers.server.session_calls import SessionCalls
@@ -45,6 +46,9 @@ from peers.wire.messages import (
     InferenceClose,
     InferenceHello,
     InferenceOpen,
+    InferencePush,
+    InferenceRelink,
+    InferenceReplay,
     InferenceReply,
     InferenceStep,
     LinkProbe,
@@ -76,19 +80,22 @@ class StreamHandler(StreamCalls):
     def __init__(self, backend: StageBackend, info: StageInfo, sessions: SessionRegistry, *,
                  request_timeout: float, check_hidden: Callable[..., None], check_blocks: Callable[[int, int], None],
                  identity: Identity, require_encryption: bool = True, admission: Admission | None = None,
-                 training: TrainingRPC | None = None) -> None:
+                 training: TrainingRPC | None = None, stream_for: StreamFor | None = None) -> None:
         super().__init__(info, request_timeout=request_timeout, require_encryption=require_encryption)
         self.backend, self.sessions, self.training = backend, sessions, training
         self.check_hidden, self.check_blocks = check_hidden, check_blocks
         self.identity, self.admission = identity, admission or Admission()
         self.open_streams: dict[str, int] = {}  # caller -> its streams open now
+        self.chain = ChainCalls(backend, sessions, info, check_hidden=check_hidden, request_timeout=request_timeout,
+                                require_encryption=require_encryption, stream_for=stream_for)
         inference = SessionCalls(backend, sessions, info, check_hidden=check_hidden, request_timeout=request_timeout,
-                                 require_encryption=require_encryption)
+                                 require_encryption=require_encryption, chain=self.chain)
         self.probes = ProbeCalls(ProbeLimiter(), info, request_timeout=request_timeout,
                                  require_encryption=require_encryption)
         self.handlers: dict[type, Handler] = {
             ForwardRequest: self.forward, InferenceOpen: inference.open, InferenceStep: inference.steps,
-            InferenceClose: inference.close, LinkProbe: self.probes.probe,
+            InferenceClose: inference.close, LinkProbe: self.probes.probe, InferencePush: self.chain.push,
+            InferenceRelink: self.chain.relink, InferenceReplay: self.chain.replay,
         }
         if training is not None:
             calls = TrainingCalls(training, info, check_hidden=check_hidden, request_timeout=request_timeout,

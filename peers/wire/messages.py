@@ -108,6 +108,7 @@ class InferencePush(Message):
 
     session_ids: list[str]
     positions: list[int]
+    rows: list[int]  # each part's rows of the tensor
 
 
 @dataclasses.dataclass(frozen=True)

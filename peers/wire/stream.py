@@ -70,12 +70,13 @@ class _Step:
     rows: int = 0  # rows of its output in the reply (0: none, its output goes downstream)
     hold: bool = False
     push: bool = False
+    tokens: int = 0  # new tokens (of the pushed input, when ``hidden`` is None)
 
     @property
     def group(self) -> tuple:
-        """Steps travel together only with steps of the same kind and number of new tokens."""
-        tokens = None if self.hidden is None else self.hidden.shape[1]
-        return self.push, self.hold, tokens
+        """Steps travel together only with steps of the same kind and number of new tokens (replies concatenate
+        their outputs)."""
+        return self.push, self.hold, self.hidden is None, self.tokens if self.hidden is None else self.hidden.shape[1]
 
 
 class PeerStream:
@@ -192,7 +193,7 @@ class PeerStream:
         return await self.queue_step(session_id, position, hidden, timeout, rows=hidden.shape[0])
 
     def queue_step(self, session_id: str, position: int, hidden: torch.Tensor | None, timeout: float, *,
-                   rows: int, hold: bool = False, push: bool = False) -> asyncio.Future:
+                   rows: int, hold: bool = False, push: bool = False, tokens: int = 0) -> asyncio.Future:
         """Queue a step now (chain steps may carry no tensor: the peer's upstream pushes it); the future gets the
         step's output rows (``rows`` of them, or None with ``rows=0``: the output went downstream). With ``push``,
         a push into the next peer's session instead (``InferencePush``; the future gets None)."""
@@ -200,7 +201,7 @@ class PeerStream:
         if self.closed:
             future.set_exception(ConnectionError(f"stream to peer {short_id(self.peer_id)} is closed"))
             return future
-        self._pending.append(_Step(session_id, position, hidden, timeout, future, rows, hold, push))
+        self._pending.append(_Step(session_id, position, hidden, timeout, future, rows, hold, push, tokens))
         self._schedule_flush()
         return future
 
@@ -223,6 +224,11 @@ class PeerStream:
             return reply, output
 
         return checked()
+
+    def send_without_reply(self, message: Message) -> None:
+        """A request that gets no reply (a relink); dropped if the stream is closed."""
+        if not self.closed:
+            self._outbox.put_nowait(_message(pack_inference(message)))
 
     def close_sessions(self, session_ids: list[str], *, detach: bool = False) -> None:
         """Free (or detach) sessions on the peer; no reply is awaited."""
@@ -274,9 +280,9 @@ class PeerStream:
                 rest.append(step)
         self._pending = rest
         ids, positions = [s.session_id for s in group], [s.position for s in group]
-        message = (InferencePush(session_ids=ids, positions=positions) if group[0].push else
-                   InferenceStep(session_ids=ids, positions=positions, hold=group[0].hold))
         tensors = [s.hidden for s in group if s.hidden is not None]
+        message = (InferencePush(session_ids=ids, positions=positions, rows=[len(t) for t in tensors])
+                   if group[0].push else InferenceStep(session_ids=ids, positions=positions, hold=group[0].hold))
         hidden = None if not tensors else torch.cat(tensors) if len(tensors) > 1 else tensors[0]
         self._in_flight = True
         self.step_messages += 1

@@ -1,0 +1,153 @@
+"""The chain (issue 12): peers hand their outputs straight to each other; results equal one process in both
+topologies, pushes come only from the upstream the client named, and a peer that dies is replaced by replaying
+the outputs its upstream kept."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from peers.cli.launch import LocalSwarm
+from peers.client.chain_session import ChainSession
+from peers.client.swarm_client import SwarmClient
+from peers.core.config import ClientConfig, SwarmConfig
+from peers.model import LocalModel
+from peers.model.local import default_position_ids
+from peers.wire.errors import ChainError, RequestError
+
+SPANS = ("0:3", "3:6", "6:8")
+
+
+def _client(swarm: LocalSwarm, model_dir, topology: str = "chain") -> SwarmClient:
+    config = ClientConfig(swarm=SwarmConfig(initial_peers=tuple(swarm.initial_peers)), topology=topology,
+                          request_timeout=10)
+    return SwarmClient(model_dir, config=config)
+
+
+def _start(swarm: LocalSwarm, model_dir, spans) -> list:
+    procs = [swarm.start_peer(model_dir, block_indices=s, wait=False) for s in spans]
+    for proc in procs:
+        swarm.wait_ready(proc)
+    return procs
+
+
+def _span(proc) -> str:
+    return f"{proc.blocks[0]}:{proc.blocks[1]}"
+
+
+def _client_bytes(client: SwarmClient) -> int:
+    return sum(s.bytes_sent + s.bytes_received for s in client._links._streams.values())
+
+
+@pytest.fixture(scope="module")
+def chain_swarm(llama_dir, tmp_path_factory) -> Iterator[LocalSwarm]:
+    with LocalSwarm(tmp_path_factory.mktemp("chain_swarm"), update_period=2.0) as swarm:
+        swarm.start_dht()
+        _start(swarm, llama_dir, SPANS)
+        yield swarm
+
+
+def test_logits_and_tokens_equal_one_process_in_both_topologies(chain_swarm, llama_dir):
+    local = LocalModel.from_dir(llama_dir)
+    input_ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(21))
+    with torch.inference_mode():
+        expected_logits, _ = local(input_ids)
+    expected_tokens = local.generate_greedy(input_ids, 16).tolist()
+    crossing = {}
+    for topology in ("chain", "star"):
+        with _client(chain_swarm, llama_dir, topology) as client:
+            client.wait_for_records(3)
+            assert torch.equal(client.forward(input_ids), expected_logits), topology
+            client.generate(input_ids, 2)  # streams opened: the next generation's bytes are its own
+            before = _client_bytes(client)
+            assert client.generate(input_ids, 16).tolist() == expected_tokens, topology
+            crossing[topology] = _client_bytes(client) - before
+    # the star carries every hop's input and output across the client's link (6 hidden states a token with 3
+    # hops), the chain the first input and the last output (2) plus small requests to each hop
+    assert crossing["chain"] < 0.5 * crossing["star"], crossing
+
+
+def test_pushes_only_from_the_named_upstream_and_bad_steps_are_refused(chain_swarm, llama_dir):
+    local = LocalModel.from_dir(llama_dir)
+    input_ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(22))
+    with torch.inference_mode():
+        expected, _ = local(input_ids)
+    with _client(chain_swarm, llama_dir) as client:
+        client.wait_for_records(3)
+        hidden_size = client.model_config.hidden_size
+
+        async def run() -> torch.Tensor:
+            async with ChainSession(client, max_length=16) as session:
+                first, middle = session.hops[0], session.hops[1]
+                stream = await client.peer_stream(middle.peer_id)
+                stray = torch.randn(1, 1, hidden_size)
+                with pytest.raises(RequestError, match="is not the upstream of session"):
+                    await stream.push(middle.session_id, 0, stray, 10)  # we are not the upstream the client named
+                with pytest.raises(RequestError, match="not open on this peer"):
+                    await stream.push("no-such-session", 0, stray, 10)
+                with pytest.raises(RequestError, match="must carry it"):
+                    await first.queue(0, None, tokens=1, returns=False)  # the first hop's input comes from us
+                with pytest.raises(RequestError, match="without a tensor"):
+                    await middle.queue(0, stray, tokens=1, returns=False)  # the middle one's from its upstream
+                with torch.inference_mode():
+                    hidden = client.embedding(input_ids, default_position_ids(input_ids))
+                out = await session.step(hidden)  # the session goes on, untouched
+                with torch.inference_mode():
+                    return client.head(out)
+
+        assert torch.equal(client.loop.run(run()), expected)
+
+
+def test_the_upstream_names_a_downstream_that_is_gone(fresh_swarm, llama_dir):
+    procs = _start(fresh_swarm, llama_dir, ("0:4", "4:8"))
+    with _client(fresh_swarm, llama_dir) as client:
+        client.wait_for_records(2)
+        hidden = torch.randn(1, 3, client.model_config.hidden_size)
+
+        async def run() -> ChainError:
+            async with ChainSession(client, max_length=16) as session:
+                first, last = session.hops
+                assert (first.downstream, last.upstream) == (last.peer_id, first.peer_id)
+                procs[1].kill(signal.SIGKILL)
+                procs[1].popen.wait(10)
+                with pytest.raises(ChainError) as caught:
+                    await first.queue(0, hidden, tokens=3, returns=False)
+                return caught.value
+
+        error = client.loop.run(run())
+    assert error.failed_peer == procs[1].peer_id
+    assert "could not hand the output" in str(error)
+
+
+KILLS = {  # after how many tokens which spans lose the peer that holds the session
+    "middle_then_last": {12: ("3:6",), 24: ("6:8",)},
+    "first": {12: ("0:3",)},
+    "two_adjacent_at_once": {16: ("3:6", "6:8")},  # the replay's source is gone too
+}
+
+
+@pytest.mark.parametrize("case", list(KILLS))
+def test_sigkill_mid_generation_gives_identical_tokens(fresh_swarm, llama_dir, case):
+    victims = [span for spans in KILLS[case].values() for span in spans]
+    spans = ("0:3", "3:6", "6:8", *victims)  # a spare peer for each span that loses one
+    procs = _start(fresh_swarm, llama_dir, spans)
+    input_ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(23))
+    expected = LocalModel.from_dir(llama_dir).generate_greedy(input_ids, 40)[0, 8:].tolist()
+    with _client(fresh_swarm, llama_dir) as client:
+        client.wait_for_records(len(spans))
+        tokens, killed = [], []
+        for token in client.iter_generate(input_ids, 40):
+            tokens.append(int(token[0]))
+            for span in KILLS[case].get(len(tokens), ()):
+                busy = [p for p in procs if _span(p) == span and client.info(p.peer_id).sessions > 0]
+                assert len(busy) == 1, f"exactly one peer of {span} should hold the session"
+                killed.append(busy[0])
+            for proc in killed[-len(KILLS[case].get(len(tokens), ())):] if len(tokens) in KILLS[case] else ():
+                proc.kill(signal.SIGKILL)
+        for proc in killed:
+            survivor = next(p for p in procs if p.blocks == proc.blocks and p is not proc)
+            assert client.info(survivor.peer_id).inference_steps > 0, f"nobody took over {proc.blocks}"
+    assert tokens == expected
