@@ -1,7 +1,7 @@
 """Training through 3 real stage peers, star and chain, vs the same model in one process: tokens/s and loss, as JSON.
 
-    python benchmarks/train.py [--topologies star,chain] [--quick] [--steps 20] [--out results/train.json]
-                               [--workdir DIR]
+    python benchmarks/train.py [--topologies star,chain] [--in_flight 1,2,4,8] [--no_recompute] [--quick]
+                               [--steps 20] [--out results/train.json] [--workdir DIR]
 
 Every variant trains the same model from the same initial weights on the same micro-batches (same seeds,
 same number of steps, so the same number of tokens):
@@ -226,6 +226,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help=f"optimizer steps per variant (default {FULL.steps})")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--topologies", default=",".join(TOPOLOGIES), help="comma-separated: star, chain")
+    parser.add_argument("--in_flight", default=",".join(map(str, IN_FLIGHT)),
+                        help="comma-separated K values (micro-batches in flight)")
+    parser.add_argument("--no_recompute", action="store_true", help="leave out the K=4 recompute variant")
     args = parser.parse_args()
     topologies = [t for t in args.topologies.split(",") if t]
     if not topologies or any(t not in TOPOLOGIES for t in topologies):
@@ -243,7 +246,10 @@ def main() -> None:
     spans = stage_spans(model["num_layers"], 3)
     tokens = encode_bytes(read_corpus())
     checkpoint_dir = workdir / "checkpoints"
-    variants = [(f"K={k}", k, False) for k in IN_FLIGHT] + [(f"K={RECOMPUTE_K}, recompute", RECOMPUTE_K, True)]
+    in_flight_values = [int(k) for k in args.in_flight.split(",") if k]
+    variants = [(f"K={k}", k, False) for k in in_flight_values]
+    if not args.no_recompute:
+        variants.append((f"K={RECOMPUTE_K}, recompute", RECOMPUTE_K, True))
     swarm_runs: dict[str, dict[str, dict]] = {t: {} for t in topologies}
 
     with LocalSwarm(workdir, update_period=10.0, train=True) as swarm, Progress(transient=True) as progress:
@@ -301,7 +307,8 @@ def main() -> None:
         **({"chain_over_star": {label: round(swarm_runs["chain"][label]["tokens_per_s"] / run["tokens_per_s"], 3)
                                 for label, run in swarm_runs["star"].items()}} if len(swarm_runs) == 2 else {}),
         "swarm_3_stages": swarm_runs,
-        "keep_activations_vs_recompute": {t: recompute_comparison(by_label) for t, by_label in swarm_runs.items()},
+        **({"keep_activations_vs_recompute": {t: recompute_comparison(by_label) for t, by_label in swarm_runs.items()}}
+           if not args.no_recompute and RECOMPUTE_K in in_flight_values else {}),
         "targets": {
             "K>=4 keeps >= 0.7 of one-process tokens/s": all(r["tokens_per_s_over_one_process"] >= 0.7 for r in fast),
             "held-out loss within 2% of one process": all(
