@@ -1,6 +1,6 @@
 """Star vs chain on an emulated WAN: the client behind 10 Mbit/s links, the peers on 1 Gbit/s among themselves.
 
-    sudo python benchmarks/chain_wan.py [--topologies star,chain] [--in_flight 4] [--steps 5] [--runs 3]
+    sudo python benchmarks/chain_wan.py [--topologies star,chain] [--in_flight 1,4] [--steps 5] [--runs 3]
                                         [--quick] [--out results/chain_wan.json] [--workdir DIR]
 
 A testbed (``swarm.testbed``, root needed) of 5 hosts: h0 the bootstrap peer, h1/h2/h3 three stage peers of a tiny
@@ -106,7 +106,7 @@ def summarise(worker: dict, topologies: list[str]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--topologies", default=",".join(TOPOLOGIES), help="comma-separated: star, chain")
-    parser.add_argument("--in_flight", default="4", help="comma-separated K values (micro-batches in flight)")
+    parser.add_argument("--in_flight", default="1,4", help="comma-separated K values (micro-batches in flight)")
     parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 5; quick 3)")
     parser.add_argument("--runs", type=int, default=None, help="timed generations per topology (default 3; quick 1)")
     parser.add_argument("--client_link", choices=("access", "pairs"), default="access",
