@@ -105,7 +105,7 @@ class ChainSession(InferenceSession):
         those still waiting stay."""
         futures = [pending[hop] for hop in self.hops]
         timeout = self._timeout(tokens)
-        _, late = await asyncio.wait(futures, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
+        late = await _until_output(futures, timeout)
         route = {hop.peer_id: i for i, hop in enumerate(self.hops)}
         failure: _HopFailed | None = None
         for index, (hop, future) in enumerate(zip(self.hops, futures, strict=True)):
@@ -127,10 +127,12 @@ class ChainSession(InferenceSession):
             raise failure
         if any(f.done() and f.exception() is not None for f in futures):
             return None  # a hop spoke of a peer replaced already: ask it again
-        if late:  # nothing failed, but not all came back in time: the first hop still at work is late
+        if late:  # nothing failed, but the output did not come in time: the first hop still at work is late
             first = next(i for i, f in enumerate(futures) if not f.done())
             raise _HopFailed(first, TimeoutError(f"peer {short_id(self.hops[first].peer_id)} did not finish a step "
                                                  f"within {timeout:.1f} s"))
+        self._drop(pending)  # the output is here, so every hop did its part: acks still on their way are not news
+        pending.clear()
         return futures[-1].result()
 
     def _timeout(self, tokens: int) -> float:
@@ -233,3 +235,17 @@ class ChainSession(InferenceSession):
                 await hop.close()
             except Exception as e:
                 logger.debug("Closing a replacement hop: %s", e)
+
+
+async def _until_output(futures: list[asyncio.Future], timeout: float) -> bool:
+    """Wait until the last future (the output) is done or any fails, at most ``timeout`` s; True if it timed out."""
+    give_up = asyncio.get_running_loop().time() + timeout
+    waiting = set(futures)
+    while not futures[-1].done():
+        left = give_up - asyncio.get_running_loop().time()
+        if left <= 0:
+            return True
+        done, waiting = await asyncio.wait(waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        if any(f.exception() is not None for f in done if not f.cancelled()):
+            return False
+    return False
