@@ -25,6 +25,7 @@ from peers.client.inference_session import InferenceSession, SpanSession
 from peers.client.node import ClientNode
 from peers.client.retry import backoff
 from peers.wire.errors import ChainError, RequestError
+from peers.wire.stream import LIVENESS_TIMEOUT
 from privacy.errors import MembershipError
 from privacy.peer_ids import short_id
 
@@ -69,12 +70,7 @@ class ChainSession(InferenceSession):
 
     async def step(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states of the next tokens ``[batch, T, hidden]`` through all blocks."""
-        if hidden.shape[0] != self.batch_size:
-            raise ValueError(f"this session has batch size {self.batch_size}, got {hidden.shape[0]}")
-        if self.length + hidden.shape[1] > self.max_length:
-            total = self.length + hidden.shape[1]
-            raise ValueError(f"{total} tokens exceed the session's max_length {self.max_length}")
-        x = self._local_step(hidden).detach().to("cpu", self.client.dtype)
+        x = self._first_blocks(hidden)
         position, failures, began = self.length, 0, time.perf_counter()
         pending: dict[SpanSession, asyncio.Future] = {}  # hops' requests for this step still under way
         while True:
@@ -136,11 +132,13 @@ class ChainSession(InferenceSession):
         return futures[-1].result()
 
     def _timeout(self, tokens: int) -> float:
-        """A dead or stuck peer is noticed in a few typical step times, not after the whole request timeout."""
+        """A stuck peer is noticed in a few typical step times, not after the whole request timeout; but never
+        before a silent one is (``LIVENESS_TIMEOUT``: no heartbeat): a dead hop leaves the hops before it waiting
+        for their pushes, and a timeout would blame the first of those instead of the dead one."""
         config = self.client.config
         if tokens > 1 or self._step_seconds is None:
             return config.request_timeout
-        adaptive = max(config.min_step_timeout, config.step_timeout_factor * self._step_seconds)
+        adaptive = max(config.min_step_timeout, 1.5 * LIVENESS_TIMEOUT, config.step_timeout_factor * self._step_seconds)
         return min(config.request_timeout, adaptive)
 
     async def _recover(self, index: int, error: BaseException, failures: int, started: float, position: int,

@@ -23,6 +23,7 @@ import torch
 
 from peers.client.node import ClientNode
 from peers.client.retry import backoff, classify, is_final
+from peers.core.chunks import first_tokens
 from peers.wire.errors import CapacityError, RequestError
 from peers.wire.messages import InferenceOpen, InferenceRelink, InferenceReplay
 from peers.wire.stream import PeerStream
@@ -66,7 +67,7 @@ class SpanSession:
         if self._stream is None:
             raise RuntimeError("open the session first")
         if position < self.length:
-            self.length, self.history = position, _truncate(self.history, position)
+            self.length, self.history = position, first_tokens(self.history, position)
         t0 = time.perf_counter()
         try:
             output = await self._stream.step(self.session_id, position, hidden, self._step_timeout(hidden.shape[1]))
@@ -144,15 +145,6 @@ def link(hops: list[SpanSession], upstream: str = "", downstream: SpanSession | 
             after.upstream = before.peer_id if before is not None else upstream
 
 
-def _truncate(history: list[torch.Tensor], position: int) -> list[torch.Tensor]:
-    kept, total = [], 0
-    for x in history:
-        if total >= position:
-            break
-        kept.append(x[:, : position - total])
-        total += kept[-1].shape[1]
-    return kept
-
 
 class InferenceSession:
     """Steps of one generation (``batch_size`` rows, up to ``max_length`` tokens) through the swarm."""
@@ -183,12 +175,7 @@ class InferenceSession:
 
     async def step(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states of the next tokens ``[batch, T, hidden]`` through all blocks."""
-        if hidden.shape[0] != self.batch_size:
-            raise ValueError(f"this session has batch size {self.batch_size}, got {hidden.shape[0]}")
-        if self.length + hidden.shape[1] > self.max_length:
-            total = self.length + hidden.shape[1]
-            raise ValueError(f"{total} tokens exceed the session's max_length {self.max_length}")
-        x = self._local_step(hidden).detach().to("cpu", self.client.dtype)
+        x = self._first_blocks(hidden)
         index, failures = 0, 0
         while index < len(self.hops):
             hop = self.hops[index]
@@ -205,6 +192,15 @@ class InferenceSession:
             x, index = out, index + 1
         self.length += hidden.shape[1]
         return x
+
+    def _first_blocks(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Check a step's shape, then run the client's local blocks on it: what the first peer gets."""
+        if hidden.shape[0] != self.batch_size:
+            raise ValueError(f"this session has batch size {self.batch_size}, got {hidden.shape[0]}")
+        if self.length + hidden.shape[1] > self.max_length:
+            total = self.length + hidden.shape[1]
+            raise ValueError(f"{total} tokens exceed the session's max_length {self.max_length}")
+        return self._local_step(hidden).detach().to("cpu", self.client.dtype)
 
     @torch.inference_mode()
     def _local_step(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from peers.core.chunks import first_tokens
 from peers.model import KV
 from peers.wire.errors import CAPACITY_REFUSAL, CapacityError, RequestError
 from peers.wire.messages import InferenceOpen
@@ -63,31 +64,21 @@ class Session:
         if position < self.length:
             self.past = None if position == 0 else [(k[:, :, :position], v[:, :, :position]) for k, v in self.past]
             self.length = position
-        self.kept = _first_tokens(self.kept, position)
+        self.kept = first_tokens(self.kept, position)
 
     def keep(self, position: int, output: torch.Tensor) -> None:
         """Remember the outputs of tokens ``[position, position + T)`` (sent downstream) for a replay."""
-        self.kept = _first_tokens(self.kept, position)
+        self.kept = first_tokens(self.kept, position)
         if sum(x.shape[1] for x in self.kept) == position:
             self.kept.append(output)
 
     def kept_outputs(self, upto: int) -> torch.Tensor | None:
         """The outputs kept for tokens ``[0, upto)``, or None if we do not hold them all."""
-        kept = _first_tokens(self.kept, upto)
+        kept = first_tokens(self.kept, upto)
         if sum(x.shape[1] for x in kept) != upto or not kept:
             return None
         return torch.cat(kept, dim=1)
 
-
-def _first_tokens(chunks: list[torch.Tensor], position: int) -> list[torch.Tensor]:
-    """The first ``position`` tokens of ``chunks`` (each ``[batch, T, hidden]``), as chunks."""
-    kept, total = [], 0
-    for x in chunks:
-        if total >= position:
-            break
-        kept.append(x[:, : position - total])
-        total += kept[-1].shape[1]
-    return kept
 
 
 @dataclass(eq=False)

@@ -126,6 +126,7 @@ KILLS = {  # after how many tokens which spans lose the peer that holds the sess
     "middle_then_last": {12: ("3:6",), 24: ("6:8",)},
     "first": {12: ("0:3",)},
     "two_adjacent_at_once": {16: ("3:6", "6:8")},  # the replay's source is gone too
+    "middle_frozen": {12: ("3:6",)},  # SIGSTOP: no reset, no heartbeats; its upstream waits on it, alive
 }
 
 
@@ -146,8 +147,10 @@ def test_sigkill_mid_generation_gives_identical_tokens(fresh_swarm, llama_dir, c
                 assert len(busy) == 1, f"exactly one peer of {span} should hold the session"
                 killed.append(busy[0])
             for proc in killed[-len(KILLS[case].get(len(tokens), ())):] if len(tokens) in KILLS[case] else ():
-                proc.kill(signal.SIGKILL)
+                proc.kill(signal.SIGSTOP if case.endswith("frozen") else signal.SIGKILL)
         for proc in killed:
             survivor = next(p for p in procs if p.blocks == proc.blocks and p is not proc)
             assert client.info(survivor.peer_id).inference_steps > 0, f"nobody took over {proc.blocks}"
+        others = [p.peer_id for p in procs if p not in killed]
+        assert not set(client.router.banned()) & set(others), "a live peer was blamed for another's failure"
     assert tokens == expected

@@ -1,4 +1,5 @@
-"""A peer dies mid-generation: the client re-routes its blocks, replays the history, and the tokens match."""
+"""A peer dies mid-generation in the star: the client re-routes its blocks, replays its history there, and the
+tokens match (the chain's recovery: ``test_chain.py``)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ def test_sigkill_mid_generation_gives_the_same_tokens(fresh_swarm, family, llama
     replicas = procs[1:]
     input_ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(11))
     expected = LocalModel.from_dir(model_dir).generate_greedy(input_ids, 64)[0, 8:].tolist()
-    config = ClientConfig(swarm=SwarmConfig(initial_peers=tuple(fresh_swarm.initial_peers)), request_timeout=10)
+    # the star's recovery (replay of the client's history); the chain's is in test_chain.py
+    config = ClientConfig(swarm=SwarmConfig(initial_peers=tuple(fresh_swarm.initial_peers)), request_timeout=10,
+                          topology="star")
     with SwarmClient(model_dir, config=config) as client:
         tokens, killed = [], None
         for token in client.iter_generate(input_ids, 64):
