@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from peers.cli.options import swarm_config, swarm_flags
+from peers.core.config import TOPOLOGIES
 from peers.core.ids import safe_name
 from peers.trainer.loop import StepFailed, stage_labels, train_loop
 from peers.trainer.state import (
@@ -55,6 +56,10 @@ def add_train_command(sub) -> None:
                        help="seconds to wait for peers whose spans tile the model, at the start and whenever a "
                             "stage's peer is gone mid-run (e.g. while it restarts)")
     train.add_argument("--request_timeout", type=float, default=60.0, help="deadline of one RPC, seconds")
+    train.add_argument("--topology", choices=TOPOLOGIES, default="chain",
+                       help="chain: each stage hands its output straight to the next one (this process's link carries "
+                            "the first stage's input and the last one's output only); star: every hidden state and "
+                            "gradient goes through this process")
     train.set_defaults(func=_cmd_train)
 
 
@@ -147,7 +152,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
                                keep_activations=config.keep_activations, checkpoint_every=config.checkpoint_every,
                                average_every=config.average_every, outer_lr=config.outer_lr,
                                outer_momentum=config.outer_momentum, rechoose_every=config.rechoose_every,
-                               pipeline_wait=args.wait_peers)  # also for a stage's peer that restarts mid-run
+                               pipeline_wait=args.wait_peers,  # also for a stage's peer that restarts mid-run
+                               topology=args.topology)
         path = trainer_checkpoint_path(config.checkpoint_dir, run_id) if config.checkpoint_dir else None
         resumed = path is not None and _resume(trainer, path, config, batches, console)
         extra = {**{k: getattr(config, k) for k in GEOMETRY}, "model": client.model_name,
@@ -187,7 +193,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             raise
         if path is not None and (not saved_at or saved_at[-1] != trainer.steps_done):
             save()
-    summary.update(resumed=resumed, checkpoint=str(path) if path else None,
+    summary.update(resumed=resumed, checkpoint=str(path) if path else None, topology=args.topology,
                    falling=math.isfinite(summary["held_out_after"])
                    and summary["held_out_after"] < summary["held_out_before"])
     print("summary " + json.dumps(summary), flush=True)

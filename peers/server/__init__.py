@@ -8,6 +8,7 @@ In data-flow order:
 - ``kv_sessions.py``: inference sessions (KV caches) within the cache budget, a fair share per client.
 - ``backend.py``: ``StageBackend`` holds the blocks and batches concurrent requests into one forward.
 - ``training_rpc.py``: a peer's training (open, forward/backward, two-phase apply, checkpoints, parameters);
+  ``training_chain.py``: training as a chain (pushes from/to the adjacent stages, deferred chained requests);
   ``averaging.py``: replicas average every H steps (DiLoCo-style).
 """
 

@@ -160,7 +160,7 @@ class StageServer:
         else:
             logger.info("Training allowed for %s", policy.describe())
         training = TrainingRPC(blocks, info, trainers=policy, checkpoint_dir=self.config.checkpoint_dir,
-                               stream_for=links.get)
+                               stream_for=links.get, chain_timeout=self.config.request_timeout)
         training.resume_latest()  # our own checkpoint first: a replica's weights never replace newer ones
         await self._fetch_from_replica(training, info.start, info.end)
         return training

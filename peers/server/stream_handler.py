@@ -57,8 +57,10 @@ from peers.wire.messages import (
     StageInfo,
     TrainApply,
     TrainBackward,
+    TrainFetch,
     TrainForward,
     TrainOpen,
+    TrainPush,
     unpack_inference,
 )
 from peers.wire.service import HEARTBEAT_METADATA, HEARTBEAT_PERIOD
@@ -102,7 +104,7 @@ class StreamHandler(StreamCalls):
                                   require_encryption=require_encryption)
             self.handlers.update({TrainOpen: calls.open, TrainApply: calls.apply, ParamsFetch: calls.fetch,
                                   TrainForward: calls.tensor_call, TrainBackward: calls.tensor_call,
-                                  ParamsPush: calls.tensor_call})
+                                  ParamsPush: calls.tensor_call, TrainPush: calls.push, TrainFetch: calls.fetch_kept})
 
     async def handle_stream(self, info: StreamInfo, reader: asyncio.StreamReader,
                             writer: asyncio.StreamWriter) -> None:

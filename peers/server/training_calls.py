@@ -1,5 +1,6 @@
 """The training requests of a peer's stream: open a run, forward/backward micro-batches, apply a step, and replica
-parameters (push for averaging, fetch for a late joiner). A refusal applies nothing."""
+parameters (push for averaging, fetch for a late joiner); in a chain (``peers.server.training_chain``), pushes from
+the adjacent stages and deferred forwards/backwards that wait for them. A refusal applies nothing."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import logging
 import time
 from collections.abc import Callable
 
+import torch
 from hivemind.proto import runtime_pb2
 
-from peers.server.calls import Call, Responses, StreamCalls, elapsed_ms, reply, tensor_reply
+from peers.server.calls import Call, Deferred, Responses, StreamCalls, defer, elapsed_ms, reply, tensor_reply
 from peers.server.training_rpc import TrainingRPC
-from peers.wire.errors import RequestError
+from peers.wire.errors import ChainError, RequestError
 from peers.wire.messages import (
     InferenceReply,
     ParamsFetch,
@@ -19,13 +21,16 @@ from peers.wire.messages import (
     StageInfo,
     TrainApply,
     TrainBackward,
+    TrainFetch,
     TrainForward,
     TrainOpen,
+    TrainPush,
 )
+from privacy.peer_ids import short_id
 
 logger = logging.getLogger(__name__)
 
-TRAINING_KINDS = (TrainOpen, TrainApply, TrainForward, TrainBackward, ParamsPush, ParamsFetch)
+TRAINING_KINDS = (TrainOpen, TrainApply, TrainForward, TrainBackward, ParamsPush, ParamsFetch, TrainPush, TrainFetch)
 
 
 class TrainingCalls(StreamCalls):
@@ -58,9 +63,12 @@ class TrainingCalls(StreamCalls):
             return [reply(error=str(e))]
         return tensor_reply(flat, InferenceReply(step=self.training.step), call.stream)
 
-    async def tensor_call(self, request: TrainForward | TrainBackward | ParamsPush, call: Call) -> Responses:
+    async def tensor_call(self, request: TrainForward | TrainBackward | ParamsPush, call: Call
+                          ) -> Responses | Deferred:
         """A training forward or backward (or a replica's parameters): one sealed tensor in, one out (or an
-        empty reply); a refusal applies nothing."""
+        empty reply); a refusal applies nothing. One naming a peer neighbour is chained (``chained``)."""
+        if isinstance(request, (TrainForward, TrainBackward)) and (request.upstream or request.downstream):
+            return await self.chained(request, call)
         try:
             tensor = await self.read_tensor(call)
             started = time.perf_counter()
@@ -84,3 +92,64 @@ class TrainingCalls(StreamCalls):
             return [reply(error=str(e))]
         return tensor_reply(output, InferenceReply(step=self.training.step, compute_ms=elapsed_ms(started)),
                             call.stream)
+
+    async def push(self, request: TrainPush, call: Call) -> Responses:
+        """An adjacent stage's output (or grad) for a micro-batch of our run: into the inbox, acked at once."""
+        try:
+            tensor = await self.read_tensor(call)
+            started = time.perf_counter()
+            self.check_hidden(tensor)
+            self.training.receive_push(request, tensor, call.caller)
+        except (RequestError, ValueError) as e:
+            logger.info("train_push(run=%r, %s) from %s refused: %s", request.run_id, request.micro_id[:64],
+                        short_id(call.caller), e)
+            return [reply(error=str(e))]
+        # the ack reports our time: the pusher's stream measures the link between the two peers (``swarm.links``)
+        return [runtime_pb2.ExpertResponse(metadata=InferenceReply(compute_ms=elapsed_ms(started)).to_bytes())]
+
+    async def fetch_kept(self, request: TrainFetch, call: Call) -> Responses:
+        try:
+            tensor = self.training.kept(request, call.stream)
+        except RequestError as e:
+            return [reply(error=str(e))]
+        return tensor_reply(tensor, InferenceReply(step=self.training.step), call.stream)
+
+    async def chained(self, request: TrainForward | TrainBackward, call: Call) -> Responses | Deferred:
+        """A forward or backward whose input comes from a peer (no tensor here: deferred until its push) or whose
+        result goes to one (pushed there, the reply carries none)."""
+        backward = isinstance(request, TrainBackward)
+        try:
+            self.training.check_chained(request, call.stream)
+            if request.upstream:
+                if call.message.tensors:
+                    await self.skip_tensor(call)
+                    raise RequestError("a chained request whose input comes from a peer carries no tensor")
+                tensor = None
+            else:
+                tensor = await self.read_tensor(call)
+                self.check_hidden(tensor)
+        except (RequestError, ValueError) as e:
+            if backward:
+                self.training.drop(request, call.stream)
+            logger.info("chained %s(run=%r, %s) refused: %s", type(request).__name__, request.run_id,
+                        request.micro_id[:64], e)
+            return [reply(error=str(e))]
+        return defer(self._chained(request, tensor, call), f"chained {type(request).__name__}")
+
+    async def _chained(self, request: TrainForward | TrainBackward, tensor: torch.Tensor | None, call: Call
+                       ) -> Responses:
+        try:
+            output, compute_ms = await self.training.chain.run(request, tensor, call.stream)
+        except ChainError as e:  # our result could not reach the next peer: that peer failed, not us
+            logger.info("%s(run=%r, %s): %s", type(request).__name__, request.run_id, request.micro_id[:64], e)
+            failed = InferenceReply(error=str(e), failed_peer=e.failed_peer, step=self.training.step)
+            return [runtime_pb2.ExpertResponse(metadata=failed.to_bytes())]
+        except (RequestError, ValueError) as e:  # GradientError is a ValueError
+            if isinstance(request, TrainBackward):
+                self.training.drop(request, call.stream)
+            logger.info("%s(run=%r, %s) refused: %s", type(request).__name__, request.run_id, request.micro_id[:64], e)
+            return [reply(error=str(e))]
+        metadata = InferenceReply(step=self.training.step, compute_ms=compute_ms)
+        if output is None:
+            return [runtime_pb2.ExpertResponse(metadata=metadata.to_bytes())]
+        return tensor_reply(output, metadata, call.stream)

@@ -28,16 +28,27 @@ from peers.core.ids import safe_name
 from peers.core.trainers import TrainerPolicy
 from peers.model.blocks import StageBlocks
 from peers.server.averaging import ReplicaAverager, StreamFor, round_at
+from peers.server.training_chain import MAX_SCALE, TrainChain
 from peers.training import GradientError, OptimConfig, StageTrainer
 from peers.training.state import read_state_info
 from peers.wire.errors import RequestError
-from peers.wire.messages import ParamsFetch, ParamsPush, StageInfo, TrainApply, TrainBackward, TrainForward, TrainOpen
+from peers.wire.messages import (
+    ParamsFetch,
+    ParamsPush,
+    StageInfo,
+    TrainApply,
+    TrainBackward,
+    TrainFetch,
+    TrainForward,
+    TrainOpen,
+    TrainPush,
+)
 from privacy.peer_ids import short_id
 
 logger = logging.getLogger(__name__)
 
 MAX_PENDING = 64  # micro-batches forwarded and not yet backwarded, per run
-TRAINER_KINDS = (TrainOpen, TrainForward, TrainBackward, TrainApply)  # what only an allowed trainer may send
+TRAINER_KINDS = (TrainOpen, TrainForward, TrainBackward, TrainApply, TrainFetch)  # what only an allowed trainer sends
 
 
 def training_refusal(training: TrainingRPC | None, request: object, caller: str) -> str:
@@ -55,7 +66,7 @@ class TrainingRPC:
 
     def __init__(self, blocks: StageBlocks, info: StageInfo, *, trainers: TrainerPolicy,
                  checkpoint_dir: Path | None = None, stream_for: StreamFor | None = None,
-                 average_timeout: float = 30.0) -> None:
+                 average_timeout: float = 30.0, chain_timeout: float = 60.0) -> None:
         self.blocks, self.info, self.checkpoint_dir, self.trainers = blocks, info, checkpoint_dir, trainers
         self.stream_for, self.average_timeout = stream_for, average_timeout  # streams to other peers (averaging)
         self.averager: ReplicaAverager | None = None
@@ -66,6 +77,7 @@ class TrainingRPC:
         self.checkpoint_every = 0
         self.fetched_step = 0  # with no run open: the step of the replica whose parameters we loaded at start
         self._opening = asyncio.Lock()
+        self.chain = TrainChain(self, stream_for, timeout=chain_timeout)  # pushes from/to the adjacent stages
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-train")
 
     @property
@@ -93,6 +105,7 @@ class TrainingRPC:
             raise RequestError("accumulation must be in 1..65536, checkpoint_every, run_step and average_every >= 0")
         if request.average_every and request.replicas and self.stream_for is None:
             raise RequestError("this peer cannot reach other peers to average with its replicas")
+        self.chain.check_open(request)
         try:
             optim = OptimConfig.from_dict(request.optim)
         except (TypeError, ValueError) as e:
@@ -115,6 +128,7 @@ class TrainingRPC:
                         self.run_id, request.run_step, self.trainer.step)
             self.trainer.part.step_count = request.run_step
         self.owner, self.checkpoint_every = stream, request.checkpoint_every
+        self.chain.opened(request)  # pending chained waits of an earlier attempt fail now
         self._set_replicas(request, fresh=caught_up)
         logger.info("Run %r: training blocks %d:%d (accumulation %d, step %d)", self.run_id, self.info.start,
                     self.info.end, request.accumulation, self.trainer.step)
@@ -187,16 +201,19 @@ class TrainingRPC:
         return await self._compute(trainer.forward, request.micro_id, hidden, positions)
 
     async def backward(self, request: TrainBackward, tensor: torch.Tensor, stream: object) -> torch.Tensor:
-        """The grad of the micro-batch's input; a refused grad drops the micro-batch and applies nothing."""
+        """The grad of the micro-batch's input; a refused grad drops the micro-batch and applies nothing. A
+        ``scale`` other than 1 multiplies the grad we get and divides the one we return (a replica's share)."""
         trainer = self._trainer(request.run_id, stream)
+        if not 0 < request.scale <= MAX_SCALE:  # NaN fails too
+            raise GradientError(f"scale must be in (0, {MAX_SCALE:.0f}], got {request.scale}")
         if request.recompute:
             if tensor.ndim != 4 or tensor.shape[0] != 2:
                 raise GradientError("a recompute backward carries [2, batch, seq, hidden]: the input, then the grad")
             hidden, grad = tensor[0], tensor[1]
-            call = (trainer.backward, request.micro_id, grad)
             kwargs = {"hidden": hidden, "position_ids": _positions(hidden)}
         else:
-            call, kwargs = (trainer.backward, request.micro_id, tensor), {}
+            grad, kwargs = tensor, {}
+        call = (trainer.backward, request.micro_id, grad * request.scale if request.scale != 1 else grad)
         before = trainer.step
         try:
             grad_input = await self._compute(*call, **kwargs)
@@ -205,7 +222,7 @@ class TrainingRPC:
             raise
         if trainer.step != before:
             await self._after_step(trainer)
-        return grad_input
+        return grad_input / request.scale if request.scale != 1 else grad_input
 
     async def apply(self, request: TrainApply, stream: object) -> int:
         """Two-phase commit of a step; returns the stage's step count after it."""
@@ -217,8 +234,25 @@ class TrainingRPC:
             logger.warning("Run %r: step not applied: %s", self.run_id, e)
             raise
         if trainer.step != before:
+            self.chain.applied()
             await self._after_step(trainer)
         return trainer.step
+
+    def check_chained(self, request: TrainForward | TrainBackward, stream: object) -> None:
+        """Refuse a chained request at once if its run is not open here or its route names strangers."""
+        self._trainer(request.run_id, stream)
+        self.chain.check_route(request)
+
+    def receive_push(self, request: TrainPush, tensor: torch.Tensor, sender: str) -> None:
+        """An adjacent stage's push for our run (``peers.server.training_chain``)."""
+        if self.trainer is None or self.owner is None or request.run_id != self.run_id:
+            raise RequestError(f"push refused: run {request.run_id[:64]!r} is not open on this peer")
+        self.chain.receive(request, tensor, sender)
+
+    def kept(self, request: TrainFetch, stream: object) -> torch.Tensor:
+        """Chain replay: a tensor this stage exchanged with a neighbour in the last step it applied."""
+        self._trainer(request.run_id, stream)
+        return self.chain.kept(request.micro_id, request.what)
 
     def receive_params(self, request: ParamsPush, flat: torch.Tensor, sender: str) -> None:
         """A replica's parameters for an averaging round of our run."""
@@ -259,6 +293,7 @@ class TrainingRPC:
                             self.trainer.micro_count)
             self.trainer.reset_accumulation()
             self.owner = None
+            self.chain.reset("the trainer's stream closed")
 
     def save_unsaved(self, why: str = "before leaving") -> Path | None:
         """Checkpoint the run's last applied step unless it is saved already: before the peer leaves, or before it

@@ -16,6 +16,11 @@ With replicas, a replica that misses a commit while another applied it takes tha
 rejoins (``peers.server.training_rpc``), as between averaging rounds; only a span none of whose replicas applied the
 step is replayed (on one of them, with all of the span's micro-batches).
 
+In a chain (``peers.trainer.chain``) the trainer sees only the first stage's input and the last stage's output and
+grad; the stages keep what they exchanged with each other in the last step they applied, and a replay first fetches
+the missing tensors from the replayed stage's neighbours (``fill``, ``TrainFetch``), then runs as in a star: the
+rare replay sends its stage's inputs and grads over the trainer's link, the steps themselves never do.
+
 Memory: until the commit, the trainer holds each stage's inputs, outputs and gradients of the step (about three
 hidden-state tensors per stage and micro-batch); afterwards only those of a stage that did not apply it.
 """
@@ -29,7 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
-from peers.wire.messages import TrainApply, TrainBackward, TrainForward
+from peers.wire.messages import TrainApply, TrainBackward, TrainFetch, TrainForward
 from privacy.peer_ids import short_id
 from swarm.records import PeerRecord
 
@@ -41,9 +46,14 @@ class MicroRecord:
     """One micro-batch as one stage saw it."""
 
     peer_id: str  # the replica that computed it
-    hidden: torch.Tensor  # its input
+    hidden: torch.Tensor | None  # its input (chain: None until fetched from its upstream, unless the trainer's)
     output: torch.Tensor | None = None
     grad: torch.Tensor | None = None  # the gradient of its output, unscaled (as for a lone stage)
+    # chain: the micro-batch's id and its route neighbours ("" = the trainer), who kept what the trainer did not see
+    micro_id: str = ""
+    upstream: str = ""
+    downstream: str = ""
+    backward_done: bool = False
 
 
 @dataclass
@@ -61,8 +71,9 @@ class StageShare:
         return self.start, self.end
 
     def complete(self) -> bool:
+        """Every micro-batch's backward ran (in a chain, some tensors are still on the neighbours: ``fill``)."""
         return bool(self.order) and len(self.order) == len(self.micro) and \
-            all(m.grad is not None for m in self.micro.values())
+            all(m.grad is not None or m.backward_done for m in self.micro.values())
 
 
 class StepRecord:
@@ -71,13 +82,20 @@ class StepRecord:
     def __init__(self, spans: list[tuple[int, int]]) -> None:
         self.stages = [StageShare(start, end) for start, end in spans]
 
-    def forward(self, stage: int, index: int, peer_id: str, hidden: torch.Tensor, output: torch.Tensor) -> None:
-        self.stages[stage].micro[index] = MicroRecord(peer_id, hidden, output)
+    def forward(self, stage: int, index: int, peer_id: str, hidden: torch.Tensor | None, output: torch.Tensor | None,
+                **chain: str) -> None:
+        self.stages[stage].micro[index] = MicroRecord(peer_id, hidden, output, **chain)
 
-    def backward(self, stage: int, index: int, grad: torch.Tensor, step: int) -> None:
+    def ran(self, stage: int, index: int) -> None:
+        """The stage runs micro-batch ``index``'s backward next (a chain: known when it is sent)."""
+        self.stages[stage].order.append(index)
+
+    def backward(self, stage: int, index: int, grad: torch.Tensor | None, step: int, ordered: bool = True) -> None:
         share = self.stages[stage]
-        share.micro[index].grad = grad.detach()
-        share.order.append(index)
+        micro = share.micro[index]
+        micro.grad, micro.backward_done = None if grad is None else grad.detach(), True
+        if ordered:
+            share.order.append(index)
         share.step = max(share.step, step)
 
 
@@ -125,6 +143,33 @@ async def replay(trainer: Trainer, share: StageShare, target: PeerRecord) -> int
     return reply.step
 
 
+async def fill(trainer: Trainer, share: StageShare) -> bool:
+    """Chain: fetch what the trainer did not see of ``share`` from the neighbours that kept it (the input from the
+    stage before, the output and its grad from the stage after, ``peers.server.training_chain``); False (and a
+    warning) if one of them cannot give it."""
+    async def fetch(peer_id: str, micro_id: str, what: str) -> torch.Tensor:
+        if not peer_id:
+            raise ValueError(f"no record of the {what} of micro-batch {micro_id}")
+        _, tensor = await trainer._call(peer_id, TrainFetch(run_id=trainer.run_id, micro_id=micro_id, what=what), None)
+        if tensor is None:
+            raise ValueError(f"peer {short_id(peer_id)} sent no {what} of micro-batch {micro_id}")
+        return tensor
+
+    try:
+        for micro in share.micro.values():
+            if micro.hidden is None:
+                micro.hidden = await fetch(micro.upstream, micro.micro_id, "output")
+            if micro.output is None and micro.downstream:
+                micro.output = await fetch(micro.downstream, micro.micro_id, "input")
+            if micro.grad is None:
+                micro.grad = await fetch(micro.downstream, micro.micro_id, "grad")
+    except Exception as e:  # a neighbour is gone too, or forgot: the step cannot be replayed
+        logger.warning("Run %s: cannot replay step %d of blocks %d:%d: what its neighbours kept of it is not "
+                       "available (%s)", trainer.run_id, share.step, share.start, share.end, e)
+        return False
+    return True
+
+
 async def recover(trainer: Trainer, steps: dict[str, int]) -> None:
     """Bring each span of the run to the step the run expects of it; ``steps``: each replica's step now.
 
@@ -134,7 +179,8 @@ async def recover(trainer: Trainer, steps: dict[str, int]) -> None:
     for group, shares in zip(trainer.replicas, trainer.shares, strict=True):
         span, best = (group[0].start, group[0].end), max(steps[r.peer_id] for r in group)
         expected, share = trainer._span_steps.setdefault(span, best), trainer._unapplied.get(span)
-        if best < expected and share is not None and share.complete() and best == share.step == expected - 1:
+        if best < expected and share is not None and share.complete() and best == share.step == expected - 1 \
+                and await fill(trainer, share):
             at_best = [r for r in group if steps[r.peer_id] == best]
             ran_it = {m.peer_id for m in share.micro.values()}
             target = next((r for r in at_best if r.peer_id in ran_it), at_best[0])

@@ -2,9 +2,12 @@
 
 The trainer owns the embedding and the head (and their AdamW); each stage peer owns its blocks and
 theirs (``peers.server.training_rpc``). A micro-batch goes: embedding here -> ``train_forward`` through each stage
--> head and loss here -> ``train_backward`` through the stages in reverse -> embedding grads here. Every
-tensor travels on the client's encrypted stream to each peer. Up to ``in_flight`` micro-batches are under
-way at once, so the stages work concurrently (a stage runs its stream's requests in order).
+-> head and loss here -> ``train_backward`` through the stages in reverse -> embedding grads here. With
+``topology="chain"`` (the default) each stage hands its output (its input's grad) straight to the next (previous)
+stage and the trainer's link carries only the first stage's input and the last stage's output
+(``peers.trainer.chain``); with ``"star"`` every tensor travels on the trainer's encrypted stream to each peer. Up
+to ``in_flight`` micro-batches are under way at once, so the stages work concurrently (a stage runs its stream's
+requests in order).
 
 A step is two-phase: the micro-batches only accumulate gradients on the stages; once all of them are back,
 ``train_apply`` tells every stage to apply its share, and a stage refuses if it holds fewer micro-batches
@@ -44,11 +47,13 @@ from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
 from peers.client.retry import backoff, classify
 from peers.client.swarm_client import SwarmClient
+from peers.core.config import TOPOLOGIES
 from peers.model.local import default_position_ids
+from peers.trainer import chain
 from peers.trainer.pipeline import stage_groups
 from peers.trainer.replay import StageShare, StepRecord, recover
 from peers.training import OptimConfig, PartOptimizer, loss_of, unique_parameters
-from peers.wire.errors import RequestError
+from peers.wire.errors import ChainError, RequestError
 from peers.wire.messages import TrainApply, TrainBackward, TrainForward, TrainOpen
 from privacy.errors import MembershipError
 from privacy.peer_ids import short_id
@@ -88,9 +93,14 @@ class SwarmTrainer:
     def __init__(self, client: SwarmClient, optim: OptimConfig, accumulation: int, *, in_flight: int = 4,
                  run_id: str | None = None, keep_activations: bool = True, recompute: bool = False,
                  checkpoint_every: int = 0, average_every: int = 0, outer_lr: float = 1.0,
-                 outer_momentum: float = 0.0, rechoose_every: float = 30.0, pipeline_wait: float = 60.0) -> None:
+                 outer_momentum: float = 0.0, rechoose_every: float = 30.0, pipeline_wait: float = 60.0,
+                 topology: str = "chain") -> None:
         if accumulation < 1 or in_flight < 1:
             raise ValueError("accumulation and in_flight must be >= 1")
+        if topology not in TOPOLOGIES:
+            raise ValueError(f"topology must be one of {list(TOPOLOGIES)}, got {topology!r}")
+        self.topology = topology  # "chain": stages hand tensors to each other; "star": all through the trainer
+        self.attempt = 0  # tries of steps so far: chain micro-batch ids carry it (a retry never meets old pushes)
         if client.local_blocks is not None:
             raise ValueError("training with local_blocks is not supported yet; use local_blocks=0")
         self.client, self.optim, self.accumulation, self.in_flight = client, optim, accumulation, in_flight
@@ -119,7 +129,7 @@ class SwarmTrainer:
         self.part = PartOptimizer(unique_parameters(client.embedding, client.head), optim)
         self.stages: list[PeerRecord] = []
         self.steps_done = 0
-        self.bytes_sent = 0  # hidden-state bytes sent to stages (before encryption overhead)
+        self.bytes_sent = 0  # hidden-state bytes the trainer sent to stages (before encryption overhead)
 
     # ---- synchronous API -------------------------------------------------------------------------
     def start(self, wait: float | None = None) -> list[PeerRecord]:
@@ -180,12 +190,15 @@ class SwarmTrainer:
 
     async def _open(self, record: PeerRecord, share: int, replicas: list[str], run_step: int) -> int:
         """Open the run on one replica; a ``run_step`` above its step makes it catch up from the first replica
-        listed that is ahead of it (``peers.server.training_rpc``). Returns its step in the run."""
+        listed that is ahead of it (``peers.server.training_rpc``). Returns its step in the run. In a chain it
+        also names the adjacent stages' replicas: the only peers it takes pushes from."""
+        upstream, downstream = chain.neighbours(self.replicas, record.start, record.end) \
+            if self.topology == "chain" else ([], [])
         reply, _ = await self._call(record.peer_id, TrainOpen(
             run_id=self.run_id, start=record.start, end=record.end, optim=self.optim.to_dict(), accumulation=share,
             keep_activations=self.keep_activations, checkpoint_every=self.checkpoint_every, replicas=replicas,
             average_every=self.average_every, outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
-            explicit_apply=True, run_step=run_step,
+            explicit_apply=True, run_step=run_step, upstream=upstream, downstream=downstream,
         ), None)
         return reply.step
 
@@ -228,6 +241,7 @@ class SwarmTrainer:
             raise ValueError(f"a step takes {self.accumulation} micro-batches (accumulation), got {len(micro_batches)}")
         started, failures = time.perf_counter(), 0
         while True:
+            self.attempt += 1
             try:
                 if not self.stages:
                     await self.start_async()
@@ -268,6 +282,8 @@ class SwarmTrainer:
 
         async def one(index: int, input_ids: torch.Tensor) -> float:
             async with gate:
+                if self.topology == "chain":
+                    return await chain.micro_batch(self, input_ids, index, stage_steps, stage_busy)
                 return await self._micro_batch(input_ids, index, stage_steps, stage_busy)
 
         tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(micro_batches)]
@@ -323,8 +339,14 @@ class SwarmTrainer:
             return await stream.call(message, tensor, self.client.config.request_timeout)
         except RequestError as e:
             raise classify(e) from None
+        except ChainError as e:  # the peer it names failed, not this one
+            raise StageFailure(e.failed_peer, e, started) from e
         except (ConnectionError, TimeoutError, asyncio.TimeoutError, OSError, P2PDaemonError, P2PHandlerError) as e:
             raise StageFailure(peer_id, e, started) from e
+
+    def failure(self, peer_id: str, error: BaseException, started: float) -> StageFailure:
+        """What a broken stream, a timeout or a chain's ``failed_peer`` becomes: the step is retried without it."""
+        return StageFailure(peer_id, error, started)
 
     async def _micro_batch(self, input_ids: torch.Tensor, index: int, stage_steps: list[int],
                            stage_busy: list[float]) -> float:

@@ -224,6 +224,9 @@ class TrainBackward(Message):
     # the grad of our input); "" = the trainer
     upstream: str = ""
     downstream: str = ""
+    # chain: the grads of a replica's share are scaled by accumulation / share (the trainer does it in a star): the
+    # stage multiplies the grad it gets by ``scale`` and divides the grad of its input by it
+    scale: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +237,17 @@ class TrainPush(Message):
     run_id: str
     micro_id: str
     backward: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainFetch(Message):
+    """Chain replay: the trainer asks a stage for a tensor it exchanged with another peer in the last step it applied
+    (``what``: "input" it was pushed, "output" it pushed, "grad" of its input it pushed) for micro-batch ``micro_id``:
+    what a stage that missed that step's commit needs to replay it (the trainer never saw it)."""
+
+    run_id: str
+    micro_id: str
+    what: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,6 +283,7 @@ INFERENCE_KINDS: dict[str, type[Message]] = {
     "forward": ForwardRequest, "train_open": TrainOpen, "train_forward": TrainForward, "train_backward": TrainBackward,
     "params_push": ParamsPush, "params_fetch": ParamsFetch, "train_apply": TrainApply, "probe": LinkProbe,
     "push": InferencePush, "relink": InferenceRelink, "replay": InferenceReplay, "train_push": TrainPush,
+    "train_fetch": TrainFetch,
 }
 
 

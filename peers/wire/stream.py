@@ -209,12 +209,13 @@ class PeerStream:
         """Push our outputs into a session of this (next) peer: the chain; may travel with other sessions' pushes."""
         await self.queue_step(session_id, position, hidden, timeout, rows=0, push=True)
 
-    def submit(self, message: Message, tensor: torch.Tensor | None, timeout: float
+    def submit(self, message: Message, tensor: torch.Tensor | None, timeout: float, *, observe: bool = True
                ) -> Awaitable[tuple[InferenceReply, torch.Tensor | None]]:
         """Queue one request at once (in the order of the calls, across streams too: the trainer sends each phase
         of a micro-batch to every stage this way) and return an awaitable of its reply; ``RequestError`` if it
-        was refused."""
-        future = self._send(pack_inference(message), tensor, timeout)
+        was refused. ``observe=False``: its timing is no link sample (a chained request's wall time includes other
+        peers' work)."""
+        future = self._send(pack_inference(message), tensor, timeout, observe=observe)
 
         async def checked() -> tuple[InferenceReply, torch.Tensor | None]:
             reply, output = await future

@@ -55,33 +55,39 @@ def _kill_before_commit(trainer: SwarmTrainer, proc: SwarmProcess, at_step: int)
     trainer._commit = kill_then_commit
 
 
-def test_finding_chaos_a_lone_stage_killed_before_the_commit_gets_the_step_replayed(fresh_swarm, llama_dir, caplog):
+@pytest.mark.parametrize("topology, killed", [("chain", 1), ("chain", 0), ("star", 1)])
+def test_finding_chaos_a_lone_stage_killed_before_the_commit_gets_the_step_replayed(fresh_swarm, llama_dir, caplog,
+                                                                                    topology, killed):
     """The other stage and the trainer applied step 3; the killed peer comes back from its checkpoint at step 2,
-    gets step 3 replayed (the same inputs and gradients, in the same order) and the run equals one process."""
+    gets step 3 replayed (the same inputs and gradients, in the same order) and the run equals one process. In a
+    chain the trainer never saw the killed stage's input (stage 1) or its output and grad (stage 0): the other
+    stage kept them."""
     caplog.set_level(logging.INFO, logger="peers")
     swarm, accumulation = fresh_swarm, 2
     procs = _peers(swarm, llama_dir, {"stage0": "0:4", "stage1": "4:8"})
     reference = LocalTrainer(llama_dir, OPTIM, accumulation, stages=[(0, 4), (4, 8)])
     data_swarm, data_local = (TokenBatches(encode_bytes(TEXT), seq_len=16, micro_batch=2, seed=4) for _ in range(2))
     with _client(swarm, llama_dir, 2) as client:
-        trainer = SwarmTrainer(client, OPTIM, accumulation, in_flight=1, run_id="replay", checkpoint_every=1)
-        _kill_before_commit(trainer, procs["stage1"], at_step=2)
+        trainer = SwarmTrainer(client, OPTIM, accumulation, in_flight=1, run_id="replay", checkpoint_every=1,
+                               topology=topology)
+        _kill_before_commit(trainer, procs[f"stage{killed}"], at_step=2)
         for step in range(1, 5):
             result = trainer.train_step([data_swarm.next_micro() for _ in range(accumulation)])
             assert result.loss == pytest.approx(reference.train_step(
                 [data_local.next_micro() for _ in range(accumulation)]), abs=1e-6)
-            if step == 3:  # stage 1 died before applying it: the others did
-                assert result.stage_steps == [3, 2]
-                swarm.start_peer(llama_dir, block_indices="4:8", name="stage1-again", wait=False,
-                                 extra=_flags(swarm, "stage1"))
+            if step == 3:  # the killed stage died before applying it: the others did
+                assert result.stage_steps == ([3, 2] if killed else [2, 3])
+                swarm.start_peer(llama_dir, block_indices=("0:4", "4:8")[killed], name=f"stage{killed}-again",
+                                 wait=False, extra=_flags(swarm, f"stage{killed}"))
             else:
                 assert result.stage_steps == [step, step], "the restarted stage must not stay a step behind"
         assert trainer.replayed == 1 and trainer.lost_steps == []
         assert "forwards identical to the first time's" in caplog.text  # it held exactly the weights of step 2
         ids = data_local.next_micro()
         assert (client.forward(ids) - reference.logits(ids).detach()).abs().max() <= 1e-6
-    saved = load_file(str(swarm.workdir / "stage1" / "replay" / "blocks-4-8" / "weights.safetensors"))
-    local = dict(reference.blocks[1].named_parameters())
+    span = ("blocks-0-4", "blocks-4-8")[killed]
+    saved = load_file(str(swarm.workdir / f"stage{killed}" / "replay" / span / "weights.safetensors"))
+    local = dict(reference.blocks[killed].named_parameters())
     assert max((saved[k] - local[k].detach()).abs().max().item() for k in saved) <= 1e-6
 
 

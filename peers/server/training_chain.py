@@ -1,0 +1,238 @@
+"""Training as a chain (issue 12) on one peer: micro-batches come from the previous stage and go to the next one
+without passing through the trainer.
+
+A chained ``TrainForward`` / ``TrainBackward`` names its route neighbours (``upstream``: who sends its input, or its
+output's grad; ``downstream``: who gets its output, or its input's grad; "" = the trainer). With a peer upstream
+the request carries no tensor: it waits (deferred, ``peers.server.calls.defer``) for that peer's ``TrainPush``, which
+lands in an ``Inbox`` keyed by (micro-batch, direction, pusher). With a peer downstream the stage pushes its result
+there over its own encrypted stream to that peer (``PeerLinks``, as averaging does) and replies without a tensor;
+a push that fails replies an error naming that peer (``failed_peer``), so the trainer bans the right one.
+
+Pushes are taken only from the peers the trainer's ``TrainOpen`` named as the run's adjacent stages (``upstream``
+for forwards, ``downstream`` for backwards), and a request only takes a push from its own route neighbour.
+
+Order: a stage computes its chained requests in the order they came on the trainer's stream (each waits for the one
+before it, ``_Turns``), whatever order their pushes arrive in. The trainer sends each phase to every stage at once,
+so all stages see the phases in one global order: the earliest unfinished phase is first in line everywhere and
+can always go on (no deadlock), and gradients are summed in the order the trainer sent the backwards (the same on
+every run: losses and weights equal one process, and a replay knows the order).
+
+Re-opening the run, or its trainer's stream closing, fails every pending wait at once (``reset``).
+
+Replay (``peers.trainer.replay``) needs each stage's inputs, outputs and output grads of a step; in a chain the
+trainer sees only the first stage's input and the last stage's output and grad. So a stage keeps, for the last step
+it applied, what it exchanged with other peers (the inputs it was pushed, the outputs and input grads it pushed),
+and hands them to the trainer on request (``TrainFetch``): a stage that missed a commit is replayed from what its
+neighbours kept. Memory: up to three hidden states per micro-batch of the stage's share of one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Protocol
+
+import torch
+
+from peers.server.averaging import StreamFor
+from peers.server.inbox import Inbox
+from peers.wire.errors import ChainError, RequestError
+from peers.wire.messages import TrainBackward, TrainForward, TrainOpen, TrainPush
+from privacy.peer_ids import short_id
+
+MAX_NEIGHBOURS = 64  # peer ids per list of a TrainOpen
+MAX_SCALE = float(1 << 16)  # accumulation / share is at most the accumulation
+DIAL_TIMEOUT = 5.0  # seconds to reach the next peer for a push (a dead one must not hold up the stream's replies)
+KEPT = ("input", "output", "grad")
+
+
+class Stage(Protocol):
+    """What this needs of ``peers.server.training_rpc.TrainingRPC``: its forward and backward of one micro-batch."""
+
+    async def forward(self, request: TrainForward, hidden: torch.Tensor, stream: object) -> torch.Tensor: ...
+
+    async def backward(self, request: TrainBackward, tensor: torch.Tensor, stream: object) -> torch.Tensor: ...
+
+
+class _Turns:
+    """Chained requests compute one after the other, in the order they arrived."""
+
+    def __init__(self) -> None:
+        self._last: asyncio.Future | None = None
+
+    def take(self) -> tuple[asyncio.Future | None, asyncio.Future]:
+        previous, mine = self._last, asyncio.get_running_loop().create_future()
+        self._last = mine
+        return previous, mine
+
+    @staticmethod
+    async def wait(previous: asyncio.Future | None) -> None:
+        if previous is not None and not previous.done():
+            await asyncio.shield(previous)
+
+    @staticmethod
+    def release(previous: asyncio.Future | None, mine: asyncio.Future) -> None:
+        """Our turn is over; if we left before ours came (cancelled), it ends when the one before ends."""
+        def done(_: object = None) -> None:
+            if not mine.done():
+                mine.set_result(None)
+
+        if previous is None or previous.done():
+            done()
+        else:
+            previous.add_done_callback(done)
+
+
+class TrainChain:
+    """The chain side of this peer's run: its neighbours, the inbox of pushes, ordered compute, pushes out."""
+
+    def __init__(self, rpc: Stage, stream_for: StreamFor | None, *, timeout: float) -> None:
+        self.rpc, self.stream_for, self.timeout = rpc, stream_for, timeout
+        self.inbox = Inbox()
+        self.upstream: frozenset[str] = frozenset()  # previous stage's replicas: push us inputs
+        self.downstream: frozenset[str] = frozenset()  # next stage's replicas: push us grads
+        self.generation = 0  # bumped on every re-open and when the owner leaves: older requests stop
+        self._turns = _Turns()
+        self._given_up: asyncio.Future | None = None  # done at the next reset: pushes under way stop
+        self._step: dict[str, dict[str, torch.Tensor]] = {}  # micro_id -> KEPT -> tensor, this step
+        self._applied: dict[str, dict[str, torch.Tensor]] = {}  # the same for the last step applied
+
+    # ---- run lifecycle ------------------------------------------------------------------------------
+    def check_open(self, request: TrainOpen) -> None:
+        for name, peers in (("upstream", request.upstream), ("downstream", request.downstream)):
+            if len(peers) > MAX_NEIGHBOURS or any(not 1 <= len(p) <= 128 for p in peers):
+                raise RequestError(f"{name} must list at most {MAX_NEIGHBOURS} peer ids")
+        if (request.upstream or request.downstream) and self.stream_for is None:
+            raise RequestError("this peer cannot reach other peers: it cannot train in a chain")
+
+    def opened(self, request: TrainOpen) -> None:
+        self.upstream, self.downstream = frozenset(request.upstream), frozenset(request.downstream)
+        self.reset(f"run {request.run_id!r} was re-opened: this request belongs to an attempt that was given up")
+
+    def reset(self, why: str) -> None:
+        """Fail every wait of the run now and forget the partial step's kept tensors (not the last applied's)."""
+        self.generation += 1
+        self.inbox.fail(lambda key: True, why)
+        self._step = {}
+        if self._given_up is not None and not self._given_up.done():
+            self._given_up.set_result(why)
+        self._given_up = None
+
+    def applied(self) -> None:
+        """The step was applied: what it exchanged is kept for a replay of a stage that missed its commit."""
+        self._applied, self._step = self._step, {}
+
+    def kept(self, micro_id: str, what: str) -> torch.Tensor:
+        if what not in KEPT:
+            raise RequestError(f"what must be one of {list(KEPT)}, got {what[:32]!r}")
+        tensor = self._applied.get(micro_id, {}).get(what)
+        if tensor is None:
+            raise RequestError(f"this stage kept no {what} of micro-batch {micro_id[:64]!r} in the last step it "
+                               "applied")
+        return tensor
+
+    # ---- pushes in ----------------------------------------------------------------------------------
+    def receive(self, request: TrainPush, tensor: torch.Tensor, sender: str) -> None:
+        """A neighbour's output (or grad, ``backward``) for one micro-batch; only from the peers the trainer named."""
+        allowed = self.downstream if request.backward else self.upstream
+        if sender not in allowed:
+            which = "next" if request.backward else "previous"
+            raise RequestError(f"push refused: peer {short_id(sender)} is not a {which} stage of run "
+                               f"{request.run_id!r} (its trainer names who may push to this peer)")
+        if not tensor.is_floating_point():
+            raise RequestError(f"a pushed tensor must be floating point, got {tensor.dtype}")
+        self.inbox.put((request.micro_id, request.backward, sender), tensor)
+
+    # ---- chained requests -----------------------------------------------------------------------------
+    def check_route(self, request: TrainForward | TrainBackward) -> None:
+        """Refuse at once a route naming peers the run's open did not name (``upstream`` of a backward is the next
+        stage, a peer of our ``downstream`` list)."""
+        backward = isinstance(request, TrainBackward)
+        sources, targets = (self.downstream, self.upstream) if backward else (self.upstream, self.downstream)
+        for role, peer, allowed in (("upstream", request.upstream, sources), ("downstream", request.downstream,
+                                                                            targets)):
+            if peer and peer not in allowed:
+                raise RequestError(f"{role} peer {short_id(peer)} was not named by this run's train_open")
+        if backward:
+            if request.recompute:
+                raise RequestError("a chained backward recomputes from the input this stage kept: send it with "
+                                   "recompute=False (open the run with keep_activations=False)")
+            if not 0 < request.scale <= MAX_SCALE:  # NaN fails too
+                raise RequestError(f"scale must be in (0, {MAX_SCALE:.0f}], got {request.scale}")
+
+    async def run(self, request: TrainForward | TrainBackward, tensor: torch.Tensor | None, stream: object
+                  ) -> tuple[torch.Tensor | None, float]:
+        """Compute one chained request: its input from the trainer (``tensor``) or pushed by its upstream, its result
+        pushed downstream (then None) or returned; with this peer's compute time in ms."""
+        backward, generation = isinstance(request, TrainBackward), self.generation
+        previous, mine = self._turns.take()
+        try:
+            if tensor is None:
+                what = f"the {'grad' if backward else 'input'} of micro-batch {request.micro_id[:64]!r} from peer " \
+                       f"{short_id(request.upstream)}"
+                try:
+                    tensor = await self.inbox.take((request.micro_id, backward, request.upstream), self.timeout, what)
+                except RequestError as e:
+                    if generation != self.generation:  # re-opened: the attempt was given up
+                        raise
+                    raise ChainError(str(e), request.upstream) from None  # the upstream died or hangs
+            await self._turns.wait(previous)
+            self._check_generation(generation)
+            started = time.perf_counter()
+            if isinstance(request, TrainBackward):  # (``backward`` applies the request's scale)
+                output = await self.rpc.backward(request, tensor, stream)
+            else:
+                output = await self.rpc.forward(request, tensor, stream)
+            compute_ms = max(1e-3, 1e3 * (time.perf_counter() - started))
+        finally:
+            self._turns.release(previous, mine)
+        self._check_generation(generation)
+        self._keep(request, tensor, output, backward)
+        if not request.downstream:
+            return output, compute_ms
+        await self._push(request.downstream, TrainPush(run_id=request.run_id, micro_id=request.micro_id,
+                                                       backward=backward), output)
+        return None, compute_ms
+
+    def _check_generation(self, generation: int) -> None:
+        if generation != self.generation:
+            raise RequestError("the run was re-opened (or its trainer left) while this request waited: it belongs "
+                               "to an attempt that was given up")
+
+    def _keep(self, request: TrainForward | TrainBackward, tensor: torch.Tensor, output: torch.Tensor,
+              backward: bool) -> None:
+        kept = self._step.setdefault(request.micro_id, {})
+        if backward:
+            if request.downstream:
+                kept["grad"] = output.detach()
+            return
+        if request.upstream:
+            kept["input"] = tensor.detach()
+        if request.downstream:
+            kept["output"] = output.detach()
+
+    async def _push(self, peer: str, message: TrainPush, tensor: torch.Tensor) -> None:
+        """Hand our result to the next peer of the route; any failure is that peer's (``ChainError``). A re-open
+        of the run (the trainer retries) stops it at once: the replies after it on the trainer's stream (the
+        re-open's among them) must not wait for a dial to a dead peer."""
+        what = "grad" if message.backward else "output"
+
+        async def send() -> None:
+            assert self.stream_for is not None  # check_open
+            stream = await asyncio.wait_for(self.stream_for(peer), DIAL_TIMEOUT)
+            await stream.call(message, tensor, self.timeout)
+
+        if self._given_up is None:
+            self._given_up = asyncio.get_running_loop().create_future()
+        given_up, sending = self._given_up, asyncio.ensure_future(send())
+        try:
+            await asyncio.wait({sending, given_up}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not sending.done():
+                sending.cancel()
+        if not sending.done() or sending.cancelled():
+            why = given_up.result() if given_up.done() else "it was cancelled"
+            raise RequestError(f"push of micro-batch {message.micro_id[:64]!r} stopped: {why}")
+        if (error := sending.exception()) is not None:
+            raise ChainError(f"could not push the {what} of micro-batch {message.micro_id[:64]!r} to peer "
+                             f"{short_id(peer)}: {error!r}", peer) from None

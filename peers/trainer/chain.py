@@ -1,0 +1,174 @@
+"""One micro-batch through the stages as a chain (issue 12): trainer -> stage 1 -> ... -> stage n -> trainer (loss),
+then trainer -> stage n -> ... -> stage 1 -> trainer.
+
+The trainer still sends every stage one request per phase on its own stream (liveness by heartbeats, an error per
+hop), but only the first stage's forward carries a tensor (the embeddings) and only the last stage's reply carries
+one back (its output); the backward mirrors it (the loss grad to the last stage, the embeddings' grad back from the
+first). Everything in between goes stage to stage (``peers.server.training_chain``). So the trainer's link carries
+2 hidden states per micro-batch, not 2 per stage.
+
+Each phase's requests go to every stage at once, queued with no await in between (``PeerStream.submit``): every
+stage's stream sees the phases of all micro-batches in flight in one global order, which is what makes the chain
+deadlock-free and its gradient sums deterministic (stages compute their chained requests in arrival order).
+
+A failure names its peer: a stage whose stream broke, or the one a stage could not push to (or did not hear from
+in time): ``ChainError.failed_peer``. It becomes ``StageFailure(peer)``: the trainer bans it and retries the step.
+Micro-batch ids carry the attempt, so a push of a given-up attempt can never feed a request of the retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from hivemind.p2p import P2PDaemonError, P2PHandlerError
+
+from peers.client.retry import classify
+from peers.wire.errors import ChainError, RequestError
+from peers.wire.messages import InferenceReply, Message, TrainBackward, TrainForward
+from swarm.records import PeerRecord
+
+FAILURES = (ConnectionError, TimeoutError, asyncio.TimeoutError, OSError, P2PDaemonError, P2PHandlerError)
+
+
+class Trainer(Protocol):
+    """What this needs of ``peers.trainer.swarm_trainer.SwarmTrainer``."""
+
+    client: Any
+    run_id: str
+    replicas: list[list[PeerRecord]]
+    bytes_sent: int
+
+    def failure(self, peer_id: str, error: BaseException, started: float) -> BaseException: ...
+
+
+def neighbours(replicas: list[list[PeerRecord]], start: int, end: int) -> tuple[list[str], list[str]]:
+    """The peers of the stages before and after span ``start:end`` (all their replicas in the run)."""
+    spans = [(group[0].start, group[0].end) for group in replicas]
+    if (start, end) not in spans:
+        return [], []
+    stage = spans.index((start, end))
+    before = [r.peer_id for r in replicas[stage - 1]] if stage > 0 else []
+    after = [r.peer_id for r in replicas[stage + 1]] if stage + 1 < len(replicas) else []
+    return before, after
+
+
+def forward_messages(run_id: str, micro_id: str, route: list[str]) -> list[TrainForward]:
+    """Stage k's forward: its input from stage k-1 (or the trainer), its output to stage k+1 (or the trainer)."""
+    last = len(route) - 1
+    return [TrainForward(run_id=run_id, micro_id=micro_id, upstream=route[k - 1] if k else "",
+                         downstream=route[k + 1] if k < last else "") for k in range(len(route))]
+
+
+def backward_messages(run_id: str, micro_id: str, route: list[str], scales: list[float]) -> list[TrainBackward]:
+    """Stage k's backward: its output's grad from stage k+1 (or the trainer), its input's grad to stage k-1 (or the
+    trainer); ``scales``: each replica's accumulation / share, applied on the stage."""
+    last = len(route) - 1
+    return [TrainBackward(run_id=run_id, micro_id=micro_id, upstream=route[k + 1] if k < last else "",
+                          downstream=route[k - 1] if k else "", scale=scales[k]) for k in range(len(route))]
+
+
+async def run_phase(trainer: Trainer, route: list[str], messages: list[Message], tensors: list[torch.Tensor | None],
+                    submitted: Callable[[], None] | None = None) -> list[tuple[InferenceReply, torch.Tensor | None]]:
+    """Queue ``messages[k]`` to ``route[k]`` for every stage at once, then wait for all the replies. The first
+    failure raises (``StageFailure`` of the peer it names; a refusal as ``RequestError``); the requests left
+    pending are answered later (a re-open of the run fails their waits on the stages) and ignored. ``submitted``
+    is called right before the requests are queued (with them: no other phase comes in between)."""
+    client, timeout = trainer.client, trainer.client.config.request_timeout
+    started = time.monotonic()
+    streams = []
+    for peer_id in route:  # connect first: the submits below must not be separated by awaits
+        try:
+            streams.append(await client.peer_stream(peer_id))
+        except RequestError as e:
+            raise classify(e) from None
+        except FAILURES as e:
+            raise trainer.failure(peer_id, e, started) from e
+    for tensor in tensors:
+        if tensor is not None:
+            trainer.bytes_sent += tensor.numel() * tensor.element_size()
+    if submitted is not None:
+        submitted()
+    tasks = [asyncio.ensure_future(stream.submit(message, tensor, timeout, observe=False))
+             for stream, message, tensor in zip(streams, messages, tensors, strict=True)]
+    pending = set(tasks)
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            failed = [t for t in tasks if t in done and t.exception() is not None]
+            if failed:
+                error, peer_id = failed[0].exception(), route[tasks.index(failed[0])]
+                assert error is not None
+                if isinstance(error, ChainError) and error.failed_peer:
+                    raise trainer.failure(error.failed_peer, error, started) from error
+                if isinstance(error, RequestError):
+                    raise classify(error) from None
+                if isinstance(error, FAILURES):
+                    raise trainer.failure(peer_id, error, started) from error
+                raise error
+    except BaseException:
+        for task in pending:  # replies nobody reads: retrieve their errors so that none is logged as lost
+            task.add_done_callback(_ignore)
+        raise
+    return [task.result() for task in tasks]
+
+
+def _ignore(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+async def micro_batch(trainer: Any, input_ids: torch.Tensor, index: int, stage_steps: list[int],
+                      stage_busy: list[float]) -> float:
+    """Micro-batch ``index`` of the step through the chain (``SwarmTrainer._micro_batch``'s chain twin); the loss."""
+    from peers.model.local import default_position_ids
+    from peers.training import loss_of
+
+    client = trainer.client
+    micro_id = f"{trainer.steps_done}.{index}@{trainer.attempt}"
+    input_ids = input_ids.to(client.device)
+    embedded = client.embedding.embed(input_ids, default_position_ids(input_ids))  # with grad: trains here
+    stages = range(len(trainer.replicas))
+    replica = [trainer.assignment[k][index] for k in stages]
+    route = [trainer.replicas[k][replica[k]].peer_id for k in stages]
+    scales = [trainer.accumulation / trainer.shares[k][replica[k]] for k in stages]
+    last = len(route) - 1
+    hidden = embedded.detach()
+    replies = await run_phase(trainer, route, list(forward_messages(trainer.run_id, micro_id, route)),
+                              [hidden, *([None] * last)])
+    output = replies[last][1]
+    if output is None:
+        raise RequestError(f"the last stage's forward reply carries no output (micro-batch {micro_id})")
+    for k, (reply, _) in enumerate(replies):
+        stage_busy[k] += reply.compute_ms / 1e3
+    record = trainer._record
+    if record is not None:  # only what the trainer saw; the stages keep the rest (``TrainFetch``) for a replay
+        for k in stages:
+            record.forward(k, index, route[k], hidden if k == 0 else None, output if k == last else None,
+                           micro_id=micro_id, upstream=route[k - 1] if k else "",
+                           downstream=route[k + 1] if k < last else "")
+    last_hidden = output.to(client.device, client.dtype).requires_grad_(True)
+    loss = loss_of(client.head.head(last_hidden), input_ids) / trainer.accumulation
+    grad, *head_grads = torch.autograd.grad(loss, [last_hidden, *trainer.part.params], allow_unused=True)
+    def submitted() -> None:  # stages compute chained requests in the order they came: the order of the submits
+        if record is not None:
+            for k in stages:
+                record.ran(k, index)
+
+    replies = await run_phase(trainer, route, list(backward_messages(trainer.run_id, micro_id, route, scales)),
+                              [*([None] * last), grad], submitted)
+    grad_input = replies[0][1]
+    if grad_input is None:
+        raise RequestError(f"the first stage's backward reply carries no grad (micro-batch {micro_id})")
+    for k, (reply, _) in enumerate(replies):
+        stage_steps[k] = max(stage_steps[k], reply.step)
+        stage_busy[k] += reply.compute_ms / 1e3
+        if record is not None:
+            record.backward(k, index, grad if k == last else None, reply.step, ordered=False)
+    embedding_grads = torch.autograd.grad(embedded, trainer.part.params, grad_input.to(client.device, client.dtype),
+                                          allow_unused=True)
+    trainer.part.add(head_grads, embedding_grads)
+    return float(loss.detach())
