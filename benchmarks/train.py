@@ -1,6 +1,7 @@
-"""Training through 3 real stage peers vs the same model in one process: tokens/s and loss, as JSON.
+"""Training through 3 real stage peers, star and chain, vs the same model in one process: tokens/s and loss, as JSON.
 
-    python benchmarks/train.py [--quick] [--steps 20] [--out results/train.json] [--workdir DIR]
+    python benchmarks/train.py [--topologies star,chain] [--in_flight 1,2,4,8] [--no_recompute] [--quick]
+                               [--steps 20] [--out results/train.json] [--workdir DIR]
 
 Every variant trains the same model from the same initial weights on the same micro-batches (same seeds,
 same number of steps, so the same number of tokens):
@@ -9,6 +10,11 @@ same number of steps, so the same number of tokens):
   thread count; run first and again last, and its tokens/s is the mean of the two (a guard against drift);
 * the swarm with K = 1, 2, 4, 8 micro-batches in flight (``SwarmTrainer``), keeping activations on the peers;
 * the swarm with K = 4 and ``recompute=True`` (stateless peers: the input travels again with the backward).
+
+Each swarm variant runs once per topology (``--topologies``, default both; ``star``: every hidden state and
+gradient goes trainer -> stage -> trainer -> next stage; ``chain``: stages push them to each other), star and
+chain of one K one after the other, so that their ratio compares runs minutes apart at most. Also per variant:
+the bytes crossing the trainer's link (every frame of its streams, both ways) per trained token.
 
 The swarm is 3 peer processes (1 torch thread each) on 127.0.0.1 and the trainer in this process (1 thread),
 all on this machine's cores. Each swarm variant is a new run whose stages resume from a step-0 checkpoint of
@@ -20,10 +26,12 @@ embedding and head), so all variants start alike. tokens/s leaves out the first 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +51,9 @@ from peers.training import LocalTrainer, OptimConfig, PartOptimizer, TokenBatche
 from peers.training.state import save_stage_state
 from peers.wire.errors import RequestError
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from linkbytes import LinkMeter  # noqa: E402
+
 MODEL = dict(family="llama", hidden_size=256, num_layers=6, num_heads=8, num_kv_heads=4, intermediate_size=688)
 QUICK_MODEL = dict(family="llama", hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=128)
 SEED = 0  # model weights and the order of the micro-batches
@@ -50,6 +61,12 @@ LAST = 3  # "final loss" of the training curve: mean over this many last steps
 EVAL_ROWS = 8  # held-out windows per forward (a peer takes at most 8 rows per request by default)
 IN_FLIGHT = (1, 2, 4, 8)
 RECOMPUTE_K = 4
+TOPOLOGIES = ("star", "chain")
+
+
+def has_topology() -> bool:
+    """Whether this checkout's ``SwarmTrainer`` takes ``topology`` (before the chain landed, only the star exists)."""
+    return "topology" in inspect.signature(SwarmTrainer).parameters
 
 
 @dataclass(frozen=True)
@@ -144,10 +161,13 @@ def local_training(model_dir: Path, tokens: torch.Tensor, setup: Setup, spans: S
 
 
 def swarm_training(client: SwarmClient, tokens: torch.Tensor, setup: Setup, *, in_flight: int, run_id: str,
-                   advance: Callable[[], None], recompute: bool = False) -> dict:
+                   advance: Callable[[], None], meter: LinkMeter, hidden_size: int, recompute: bool = False,
+                   topology: str = "star") -> dict:
     """One run through the swarm (its stages must start from ``write_initial_state``); the client is fresh."""
+    extra = {"topology": topology} if has_topology() else {}
     trainer = SwarmTrainer(client, optim_config(setup.steps), setup.accumulation, in_flight=in_flight,
-                           run_id=run_id, recompute=recompute)
+                           run_id=run_id, recompute=recompute, **extra)
+    before = meter.reading(client)
     open_run(trainer)
     batches = TokenBatches(tokens, setup.seq_len, setup.micro_batch, seed=SEED)
     results: list[StepResult] = []
@@ -155,6 +175,7 @@ def swarm_training(client: SwarmClient, tokens: torch.Tensor, setup: Setup, *, i
         results.append(trainer.train_step([batches.next_micro() for _ in range(setup.accumulation)]))
         advance()
     bytes_sent = trainer.bytes_sent
+    link = meter.reading(client) - before
     eval_loss = statistics.fmean(trainer.evaluate(ids) for ids in held_out(batches, setup.eval_windows))
     timed = results[1:]
     utilisation = [statistics.fmean(u) for u in zip(*(r.utilisation for r in timed), strict=True)]
@@ -164,7 +185,20 @@ def swarm_training(client: SwarmClient, tokens: torch.Tensor, setup: Setup, *, i
         "stage_utilisation_sum": round(sum(utilisation), 3),
         "bytes_sent_per_token": round(bytes_sent / sum(r.tokens for r in results), 1),
         "bytes_sent_MB": round(bytes_sent / 2**20, 2),
+        "trainer_link_per_token": link.per(sum(r.tokens for r in results), hidden_size),
+        "trainer_link_MB": round(link.frame_bytes / 2**20, 2),
         "stage_steps": results[-1].stage_steps,
+    }
+
+
+def recompute_comparison(runs: dict[str, dict]) -> dict:
+    keep, stateless = runs[f"K={RECOMPUTE_K}"], runs[f"K={RECOMPUTE_K}, recompute"]
+    return {
+        "in_flight": RECOMPUTE_K,
+        "bytes_sent_MB": {"keep_activations": keep["bytes_sent_MB"], "recompute": stateless["bytes_sent_MB"]},
+        "bytes_recompute_over_keep": round(stateless["bytes_sent_MB"] / keep["bytes_sent_MB"], 3),
+        "tokens_per_s": {"keep_activations": keep["tokens_per_s"], "recompute": stateless["tokens_per_s"]},
+        "tokens_per_s_recompute_over_keep": round(stateless["tokens_per_s"] / keep["tokens_per_s"], 3),
     }
 
 
@@ -191,7 +225,16 @@ def main() -> None:
                         help="where the JSON goes (not written with --quick)")
     parser.add_argument("--steps", type=int, default=None, help=f"optimizer steps per variant (default {FULL.steps})")
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--topologies", default=",".join(TOPOLOGIES), help="comma-separated: star, chain")
+    parser.add_argument("--in_flight", default=",".join(map(str, IN_FLIGHT)),
+                        help="comma-separated K values (micro-batches in flight)")
+    parser.add_argument("--no_recompute", action="store_true", help="leave out the K=4 recompute variant")
     args = parser.parse_args()
+    topologies = [t for t in args.topologies.split(",") if t]
+    if not topologies or any(t not in TOPOLOGIES for t in topologies):
+        parser.error(f"--topologies: choose from {', '.join(TOPOLOGIES)}")
+    skipped = [t for t in topologies if t != "star"] if not has_topology() else []
+    topologies = [t for t in topologies if t not in skipped]
     model, setup = (QUICK_MODEL, QUICK) if args.quick else (MODEL, FULL)
     if args.steps is not None:
         if args.steps < 2:
@@ -203,8 +246,11 @@ def main() -> None:
     spans = stage_spans(model["num_layers"], 3)
     tokens = encode_bytes(read_corpus())
     checkpoint_dir = workdir / "checkpoints"
-    variants = [(f"K={k}", k, False) for k in IN_FLIGHT] + [(f"K={RECOMPUTE_K}, recompute", RECOMPUTE_K, True)]
-    swarm_runs: dict[str, dict] = {}
+    in_flight_values = [int(k) for k in args.in_flight.split(",") if k]
+    variants = [(f"K={k}", k, False) for k in in_flight_values]
+    if not args.no_recompute:
+        variants.append((f"K={RECOMPUTE_K}, recompute", RECOMPUTE_K, True))
+    swarm_runs: dict[str, dict[str, dict]] = {t: {} for t in topologies}
 
     with LocalSwarm(workdir, update_period=10.0, train=True) as swarm, Progress(transient=True) as progress:
         def task(label: str) -> Callable[[], None]:
@@ -214,25 +260,30 @@ def main() -> None:
         start_stage_peers(swarm, model_dir, spans, checkpoint_dir)
         local_first = local_training(model_dir, tokens, setup, spans, task("one process"))
         torch.set_num_threads(1)  # the trainer's process, like each peer: they all share the machine's cores
-        for index, (label, in_flight, recompute) in enumerate(variants):
-            run_id = f"bench-{index}"
-            write_initial_state(model_dir, checkpoint_dir, run_id, spans, optim_config(setup.steps))
-            with SwarmClient(model_dir, config=client_config(swarm)) as client:
-                client.wait_for_records(len(spans))
-                swarm_runs[label] = swarm_training(client, tokens, setup, in_flight=in_flight, run_id=run_id,
-                                                   recompute=recompute, advance=task(f"swarm, {label}"))
+        runs = [(label, k, recompute, topology) for label, k, recompute in variants for topology in topologies]
+        with LinkMeter() as meter:
+            for index, (label, in_flight, recompute, topology) in enumerate(runs):
+                run_id = f"bench-{index}"
+                write_initial_state(model_dir, checkpoint_dir, run_id, spans, optim_config(setup.steps))
+                with SwarmClient(model_dir, config=client_config(swarm)) as client:
+                    client.wait_for_records(len(spans))
+                    swarm_runs[topology][label] = swarm_training(
+                        client, tokens, setup, in_flight=in_flight, run_id=run_id, recompute=recompute,
+                        topology=topology, meter=meter, hidden_size=model["hidden_size"],
+                        advance=task(f"swarm, {topology}, {label}"))
         torch.set_num_threads(default_threads)
         local_last = local_training(model_dir, tokens, setup, spans, task("one process, again"))
 
     local_rate = statistics.fmean([local_first["tokens_per_s"], local_last["tokens_per_s"]])
     local_loss, local_curve = local_first["held_out_loss"], local_first[f"mean_loss_last_{LAST}_steps"]
-    for run in swarm_runs.values():
+    every_run = [run for by_label in swarm_runs.values() for run in by_label.values()]
+    for run in every_run:
         run["tokens_per_s_over_one_process"] = round(run["tokens_per_s"] / local_rate, 3)
         run["held_out_loss_over_one_process"] = round(run["held_out_loss"] / local_loss, 5)
         curve = run[f"mean_loss_last_{LAST}_steps"]
         run[f"mean_loss_last_{LAST}_steps_over_one_process"] = round(curve / local_curve, 5)
-    keep, stateless = swarm_runs[f"K={RECOMPUTE_K}"], swarm_runs[f"K={RECOMPUTE_K}, recompute"]
-    fast = [run for label, run in swarm_runs.items() if label in {f"K={k}" for k in IN_FLIGHT if k >= 4}]
+    fast = [run for by_label in swarm_runs.values() for label, run in by_label.items()
+            if label in {f"K={k}" for k in IN_FLIGHT if k >= 4}]
     result = {
         "benchmark": "train",
         "quick": args.quick,
@@ -248,18 +299,22 @@ def main() -> None:
                         "tokens_per_s_last_run": local_last["tokens_per_s"], "held_out_loss": local_loss,
                         f"mean_loss_last_{LAST}_steps": local_curve, "step_losses": local_first["step_losses"],
                         "step_seconds_first_run": local_first["step_seconds"]},
+        "topologies": topologies,
+        **({"skipped_topologies": {t: "this checkout's SwarmTrainer has no topology (star only)" for t in skipped}}
+           if skipped else {}),
+        "tokens_per_s": {t: {label: run["tokens_per_s"] for label, run in by_label.items()}
+                         for t, by_label in swarm_runs.items()},
+        **({"chain_over_star": {label: round(swarm_runs["chain"][label]["tokens_per_s"] / run["tokens_per_s"], 3)
+                                for label, run in swarm_runs["star"].items()}} if len(swarm_runs) == 2 else {}),
         "swarm_3_stages": swarm_runs,
-        "keep_activations_vs_recompute": {
-            "in_flight": RECOMPUTE_K,
-            "bytes_sent_MB": {"keep_activations": keep["bytes_sent_MB"], "recompute": stateless["bytes_sent_MB"]},
-            "bytes_recompute_over_keep": round(stateless["bytes_sent_MB"] / keep["bytes_sent_MB"], 3),
-            "tokens_per_s": {"keep_activations": keep["tokens_per_s"], "recompute": stateless["tokens_per_s"]},
-            "tokens_per_s_recompute_over_keep": round(stateless["tokens_per_s"] / keep["tokens_per_s"], 3),
-        },
+        **({"keep_activations_vs_recompute": {t: recompute_comparison(by_label) for t, by_label in swarm_runs.items()}}
+           if not args.no_recompute and RECOMPUTE_K in in_flight_values else {}),
         "targets": {
             "K>=4 keeps >= 0.7 of one-process tokens/s": all(r["tokens_per_s_over_one_process"] >= 0.7 for r in fast),
             "held-out loss within 2% of one process": all(
-                abs(r["held_out_loss_over_one_process"] - 1) <= 0.02 for r in swarm_runs.values()),
+                abs(r["held_out_loss_over_one_process"] - 1) <= 0.02 for r in every_run),
+            "losses of every swarm run equal one process's bit for bit": all(
+                r["step_losses"] == local_first["step_losses"] for r in every_run),
         },
     }
     first, last = local_first["tokens_per_s"], local_last["tokens_per_s"]
