@@ -95,7 +95,6 @@ class ChainCalls(StreamCalls):
             inputs = await asyncio.gather(*(self._input(s, p, x) for s, p, x in
                                             zip(sessions, request.positions, given, strict=True)),
                                           return_exceptions=True)
-            started = time.perf_counter()
             errors, runs = [], []
             for session, position, x in zip(sessions, request.positions, inputs, strict=True):
                 try:
@@ -116,7 +115,6 @@ class ChainCalls(StreamCalls):
                 runs.append((len(errors) - 1, session, position, self.backend.inference_step(session, x, position)))
             async with deadline(self.request_timeout):
                 outputs = await asyncio.gather(*(run for *_, run in runs))
-            compute_ms = elapsed_ms(started)
             pushes = []
             for (index, session, position, _), output in zip(runs, outputs, strict=True):
                 if session.downstream:
@@ -133,7 +131,9 @@ class ChainCalls(StreamCalls):
                 logger.info("Chain: %s", errors[index])
         back = [output for (index, session, _, _), output in zip(runs, outputs, strict=True)
                 if not session.downstream and not request.hold and not errors[index]]
-        metadata = InferenceReply(errors=errors, failed_peer=failed_peer, compute_ms=0.0 if pushes else compute_ms)
+        # no compute_ms: the client's wall time on a chained step includes other peers' work and pushes, so it is no
+        # sample of its link to us (pushes' acks measure the links between peers)
+        metadata = InferenceReply(errors=errors, failed_peer=failed_peer)
         if not back:
             return [runtime_pb2.ExpertResponse(metadata=metadata.to_bytes())]
         return tensor_reply(torch.cat(back) if len(back) > 1 else back[0], metadata, call.stream)
