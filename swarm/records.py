@@ -16,6 +16,7 @@ MAX_LINKS = 8  # rows of a record's link table
 MAX_BANDWIDTH = 1e13  # bits/s: 10 Tbit/s, beyond any link
 MAX_RTT = 600.0  # seconds
 MAX_AGE = 1e7  # seconds (~4 months)
+MAX_BLOCKS = 100_000  # blocks of a model
 MAX_SECONDS_PER_TOKEN = 3600.0  # compute of one token through one block
 LINK_SOURCES = ("passive", "probe")
 DEFAULT_SECONDS_PER_BLOCK = 0.01  # a record with neither compute nor throughput: a slow CPU (100 tokens/s per block)
@@ -87,6 +88,7 @@ class PeerRecord:
     forward_seconds: float = 0.0
     backward_seconds: float = 0.0
     links: tuple[LinkRow, ...] = field(default_factory=tuple)  # best-known links, at most MAX_LINKS
+    max_blocks: int = 0  # how many blocks its memory holds (the planner's bound); 0: unknown (its span's size)
 
     def __post_init__(self) -> None:
         peer_id_ok = isinstance(self.peer_id, str) and _PEER_ID_RE.fullmatch(self.peer_id)
@@ -105,6 +107,8 @@ class PeerRecord:
             "addresses must be strings",
         )
         _check(_is_int(self.max_batch_size) and self.max_batch_size >= 1, "bad max_batch_size")
+        _check(_is_int(self.max_blocks) and 0 <= self.max_blocks <= MAX_BLOCKS,
+               f"bad max_blocks {_shown(self.max_blocks)}")
         _check(_is_int(self.wire), "wire must be an integer")  # else the record would not even hash
         for name in ("forward_seconds", "backward_seconds"):
             value = getattr(self, name)
@@ -122,6 +126,11 @@ class PeerRecord:
     @property
     def span(self) -> str:
         return f"{self.start}:{self.end}"
+
+    @property
+    def capacity(self) -> int:
+        """Blocks this peer can hold: its announced ``max_blocks``, else (unknown) the span it serves."""
+        return max(self.max_blocks, self.num_blocks)
 
     @property
     def seconds_per_block(self) -> float:
