@@ -176,7 +176,7 @@ def _cmd_peer(args: argparse.Namespace) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from peers.cli.status import print_status
-    from swarm.discovery import fetch_records, start_node
+    from swarm.discovery import fetch_plans, fetch_records, start_node
 
     swarm = swarm_config(args)
     if not swarm.initial_peers:
@@ -201,13 +201,14 @@ def _cmd_status(args: argparse.Namespace) -> int:
         node = await start_node(initial_peers=swarm.initial_peers, host_maddrs=swarm.host_maddrs, client_mode=True,
                                 identity=identity, record_validator=admission.record_validator(), nat=swarm.nat())
         try:
-            return await asyncio.wait_for(fetch_records(node, name), swarm.dht_timeout)
+            records = await asyncio.wait_for(fetch_records(node, name), swarm.dht_timeout)
+            return records, await asyncio.wait_for(fetch_plans(node, name), swarm.dht_timeout)
         finally:
             await node.shutdown()
 
-    records = asyncio.run(snapshot())
+    records, plans = asyncio.run(snapshot())
     total = total or max((r.end for r in records), default=0)
-    print_status(name, records, total)
+    print_status(name, records, total, plans=plans)
     return 0
 
 
