@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import heapq
 import logging
 import time
@@ -99,13 +100,9 @@ class Hop:
 
 def _same_kind(records: list[PeerRecord], kept: list[PeerRecord]) -> list[PeerRecord]:
     """``kept`` as the same kind of list as ``records`` (a discovery ``Snapshot`` keeps its ``sealed`` count)."""
-    if type(records) is list:
-        return kept
-    try:
-        copy = type(records)(kept, getattr(records, "sealed", 0))  # type: ignore[call-arg]
-    except TypeError:
-        return kept
-    return copy
+    result = copy.copy(records)
+    result[:] = kept
+    return result
 
 
 def make_chain(

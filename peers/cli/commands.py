@@ -55,6 +55,15 @@ def _parser() -> argparse.ArgumentParser:
     blocks = peer.add_mutually_exclusive_group(required=True)
     blocks.add_argument("--block_indices", type=block_indices, help="serve blocks START:END, e.g. 0:4")
     blocks.add_argument("--num_blocks", type=int, help="serve N blocks, where the swarm is weakest")
+    blocks.add_argument("--backup", action="store_true",
+                        help="start as a backup: measure, join, probe links and announce BACKUP with no blocks loaded, "
+                             "ready to take a place (`swarm move`, or the swarm's plan)")
+    peer.add_argument("--max_blocks", type=int, default=None,
+                      help="blocks this peer can hold, announced for plans (default: what free memory holds)")
+    peer.add_argument("--no_follow", dest="follow_plans", action="store_false",
+                      help="never move this peer when the swarm's plan changes (operator opt-out)")
+    peer.add_argument("--control_socket", type=Path, default=None,
+                      help="a local unix socket (mode 0600) taking `move START:END` and `backup` lines (`swarm move`)")
     peer.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     peer.add_argument("--num_threads", type=int, default=None,
                       help="CPU threads for torch (default: torch's); use 1 when several peers share a CPU")
@@ -163,7 +172,8 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir, cache_tokens=args.cache_tokens, session_timeout=args.session_timeout,
         client_cache_share=args.client_cache_share, cache_wait=args.cache_wait,
         require_encryption=not args.allow_plaintext, trainers=parse_trainers(args.trainers),
-        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_dir=args.checkpoint_dir, backup=args.backup, max_blocks=args.max_blocks,
+        follow_plans=args.follow_plans, control_socket=args.control_socket,
     )
     if args.num_threads:
         import torch

@@ -61,6 +61,15 @@ def training_refusal(training: TrainingRPC | None, request: object, caller: str)
     return ""
 
 
+async def fetch_params(stream_for: StreamFor, peer_id: str, start: int, end: int, timeout: float
+                       ) -> tuple[int, torch.Tensor]:
+    """Blocks ``[start, end)`` as peer ``peer_id`` serves them now (any part of its span): its step and flat
+    parameters (``ParamsFetch``), over our encrypted stream to it."""
+    stream = await stream_for(peer_id)
+    reply, flat = await stream.call(ParamsFetch(start=start, end=end), None, timeout)
+    return reply.step, flat
+
+
 class TrainingRPC:
     """Serves training requests for one peer's blocks (``blocks`` is the backend's ``StageBlocks``)."""
 
@@ -80,6 +89,7 @@ class TrainingRPC:
         # the trained weights we carried over or fetched (a run opened here without its checkpoint counts from it)
         self.moved = ""
         self.carried_step = 0
+        self.retired = False  # the peer moved off our span (``retire``)
         self._opening = asyncio.Lock()
         self.chain = TrainChain(self, stream_for, timeout=chain_timeout)  # pushes from/to the adjacent stages
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-train")
@@ -99,6 +109,8 @@ class TrainingRPC:
             return await self._open(request, stream)
 
     async def _open(self, request: TrainOpen, stream: object) -> int:
+        if self.retired:  # this peer moved off our span: no run opens here again
+            raise MovedError(self.moved)
         if (request.start, request.end) != (self.info.start, self.info.end):
             if self.moved:
                 raise MovedError(self.moved)
@@ -296,19 +308,10 @@ class TrainingRPC:
         with torch.no_grad():
             vector_to_parameters(flat.to(params[0].dtype), params)
 
-    async def fetch_range(self, peer_id: str, start: int, end: int, timeout: float) -> tuple[int, torch.Tensor]:
-        """Blocks ``[start, end)`` as peer ``peer_id`` serves them now (any part of its span): its step and flat
-        parameters (``ParamsFetch``), over our encrypted stream to it."""
-        if self.stream_for is None:
-            raise RequestError("this peer cannot reach other peers")
-        stream = await self.stream_for(peer_id)
-        reply, flat = await stream.call(ParamsFetch(start=start, end=end), None, timeout)
-        return reply.step, flat
-
     async def retire(self, refusal: str) -> None:
         """This peer moves off our span: checkpoint the run's last applied step (after the computation under way),
         drop the run (its trainer's next request gets ``refusal``, a ``moved:`` one) and stop the training thread."""
-        self.moved = refusal
+        self.moved, self.retired = refusal, True
         self.chain.reset(refusal)  # chained waits of the run fail now
         saved = await self._compute(self.save_unsaved, "before moving to another span")
         if saved is None and self.trainer is not None and self.trainer.step and self.checkpoint_dir is not None:
@@ -391,9 +394,7 @@ class TrainingRPC:
 
     async def _fetch(self, peer_id: str, timeout: float) -> tuple[int, torch.Tensor]:
         """A replica's step and current flat parameters (``ParamsFetch``)."""
-        stream = await self.stream_for(peer_id)
-        reply, flat = await stream.call(ParamsFetch(start=self.info.start, end=self.info.end), None, timeout)
-        return reply.step, flat
+        return await fetch_params(self.stream_for, peer_id, self.info.start, self.info.end, timeout)
 
     async def _catch_up(self, request: TrainOpen, others: list[str]) -> bool:
         """Load the parameters of the first replica listed (the trainer lists the most advanced first) that is

@@ -34,11 +34,13 @@ class MovedError(RequestError):
     so no ban; re-fetch the swarm's records and route (or replay) that span elsewhere."""
 
 
-def moved_refusal(now: tuple[int, int] | None, before: tuple[int, int], what: str = "") -> str:
-    """The text of a ``MovedError``: what the peer serves now (None: nothing, a backup) and what it served."""
-    serves = f"now serves {now[0]}:{now[1]}" if now is not None else "is a backup now and serves no blocks"
-    return (f"{MOVED_REFUSAL} this peer {serves} (it served {before[0]}:{before[1]}){'; ' + what if what else ''}; "
-            f"refresh your view of the swarm and route {before[0]}:{before[1]} elsewhere")
+def moved_refusal(now: tuple[int, int] | None, before: tuple[int, int] | None, what: str = "") -> str:
+    """The text of a ``MovedError``: what the peer serves now (None: nothing, a backup) and what it served (None:
+    nothing, a peer that started as a backup)."""
+    serves = f"now serves {now[0]}:{now[1]}" if now is not None else "is a backup and serves no blocks"
+    served = f" (it served {before[0]}:{before[1]})" if before is not None else ""
+    return (f"{MOVED_REFUSAL} this peer {serves}{served}{'; ' + what if what else ''}; refresh your view of the "
+            f"swarm and route those blocks elsewhere")
 
 
 def is_moved(error: BaseException) -> bool:
