@@ -96,6 +96,13 @@ def _parser() -> argparse.ArgumentParser:
                       help="training: save our blocks' weights + AdamW state here, and resume from them")
     peer.set_defaults(func=_cmd_peer)
 
+    move = sub.add_parser("move", help="move a running peer on this machine to other blocks, or make it a backup "
+                                       "(through its --control_socket)")
+    move.add_argument("span", help="START:END to serve those blocks, `backup` to stop serving, `status` to ask")
+    move.add_argument("--control_socket", type=Path, required=True, help="the peer's --control_socket")
+    move.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the move (default 600)")
+    move.set_defaults(func=_cmd_move)
+
     status = sub.add_parser("status", help="who is online, which blocks they serve, what is missing")
     status.add_argument("model", help="model folder or model name")
     swarm_flags(status, joining=True, new_swarm=False)
@@ -182,6 +189,20 @@ def _cmd_peer(args: argparse.Namespace) -> int:
     server = StageServer(config)
     _run_until_signal(server.run)
     return 0
+
+
+def _cmd_move(args: argparse.Namespace) -> int:
+    from peers.server.control import send_command
+
+    span = args.span.strip()
+    line = span if span in ("backup", "status") else f"move {span}"
+    try:
+        answer = send_command(args.control_socket, line, timeout=args.timeout)
+    except OSError as e:
+        raise ValueError(f"could not reach the peer's control socket {args.control_socket}: {e} (is the peer running "
+                         f"with --control_socket {args.control_socket}?)") from None
+    print(answer, flush=True)
+    return 0 if answer.startswith("ok") else 1
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
