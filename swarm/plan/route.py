@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from swarm.estimator import ModelShape, estimate_inference, estimate_training
 from swarm.estimator.from_records import pipeline_from_records
+from swarm.estimator.inputs import Topology
 from swarm.links import LinkTable
 from swarm.plan.types import Group, Plan
 from swarm.records import PeerRecord, PeerState
@@ -44,9 +45,10 @@ def live(group: Group, records: Sequence[PeerRecord], excluded: Iterable[str] = 
 def price_groups(plans: Iterable[Plan], records: Sequence[PeerRecord], shape: ModelShape, *,
                  client_id: str | None = None, local: LinkTable | None = None, excluded: Iterable[str] = (),
                  objective: str = "inference", rows: int = 1, seq_len: int = 128,
-                 micro_batches: int = 1) -> list[PricedGroup]:
+                 micro_batches: int = 1, topology: Topology = "star") -> list[PricedGroup]:
     """The live groups of ``plans``, fastest first for this client (``objective`` "inference": per-token latency;
-    "training": a step of ``micro_batches`` x ``rows`` x ``seq_len`` tokens, one in flight per stage)."""
+    "training": a step of ``micro_batches`` x ``rows`` x ``seq_len`` tokens, one in flight per stage), along the
+    data path ``topology`` ("star" or "chain")."""
     excluded = set(excluded)
     priced = []
     for plan in plans:
@@ -56,7 +58,7 @@ def price_groups(plans: Iterable[Plan], records: Sequence[PeerRecord], shape: Mo
             if not live(group, records, excluded):
                 continue
             pipeline = pipeline_from_records([(s.peer_id, s.start, s.end) for s in group.stages], records,
-                                             client_id=client_id, local=local)
+                                             client_id=client_id, local=local, topology=topology)
             if objective == "training":
                 estimate = estimate_training(shape, pipeline, rows=rows, seq_len=seq_len,
                                              micro_batches=micro_batches, in_flight=len(group.stages))
