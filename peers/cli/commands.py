@@ -62,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="blocks this peer can hold, announced for plans (default: what free memory holds)")
     peer.add_argument("--no_follow", dest="follow_plans", action="store_false",
                       help="never move this peer when the swarm's plan changes (operator opt-out)")
+    peer.add_argument("--organise", action="store_true",
+                      help="take part in the swarm-wide plan: in a private swarm, follow (and, when elected, make) the "
+                           "broker's plan; in a public one, plan for itself and move only itself (runs' plans are "
+                           "followed anyway, per --trainers)")
     peer.add_argument("--control_socket", type=Path, default=None,
                       help="a local unix socket (mode 0600) taking `move START:END` and `backup` lines (`swarm move`)")
     peer.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
@@ -180,7 +184,7 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         client_cache_share=args.client_cache_share, cache_wait=args.cache_wait,
         require_encryption=not args.allow_plaintext, trainers=parse_trainers(args.trainers),
         checkpoint_dir=args.checkpoint_dir, backup=args.backup, max_blocks=args.max_blocks,
-        follow_plans=args.follow_plans, control_socket=args.control_socket,
+        follow_plans=args.follow_plans, control_socket=args.control_socket, organise=args.organise,
     )
     if args.num_threads:
         import torch

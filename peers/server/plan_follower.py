@@ -16,17 +16,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Awaitable, Callable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from privacy.peer_ids import short_id
-from swarm.plan.trust import PlanKey, key_of, pick_plan, swarm_broker
+from swarm.discovery import announce_plan, fetch_plans, fetch_records
+from swarm.estimator import ModelShape
+from swarm.plan.broker import next_plan, plan_for
+from swarm.plan.trust import PlanKey, key_of, next_version, pick_plan, swarm_broker
 from swarm.plan.types import Plan
 from swarm.records import PeerRecord
 
 logger = logging.getLogger(__name__)
 
+PLAN_TTL_PERIODS = 3  # a swarm broker's plan lives this many update periods (republished every period)
 JITTER = 0.2  # fraction of the period added at random to each wait: peers do not all move at once
 
 
@@ -129,3 +134,48 @@ class PlanFollower:
             logger.info("Becoming a backup: %s", decision.reason)
             await self.server.become_backup()
         return decision
+
+
+def plan_following(server: Any) -> list[Coroutine[Any, Any, None]]:
+    """The follower's loop for a running ``StageServer`` (a list to add to its background tasks): empty with
+    ``--no_follow``. Runs' plans are followed per ``--trainers``; with ``--organise`` the peer also takes part in
+    the swarm-wide plan (private swarm: the elected broker's; public: its own, moving only itself)."""
+    config = server.config
+    if not config.follow_plans:
+        return []
+    node, model, period = server.node, server.model_name, config.update_period
+    cfg = server.model_config
+    shape = ModelShape(cfg.hidden_size, cfg.num_layers, server.dtype.itemsize)
+    private = bool(server.admission.required)
+    policy = config.trainer_policy()
+    organise = bool(getattr(config, "organise", False))
+
+    async def records() -> Sequence[PeerRecord]:
+        return await asyncio.wait_for(fetch_records(node, model), config.swarm.dht_timeout)
+
+    async def plans() -> list[Plan]:
+        return await asyncio.wait_for(fetch_plans(node, model), config.swarm.dht_timeout)
+
+    async def publish(plan: Plan) -> bool:
+        return await asyncio.wait_for(announce_plan(node, plan, server.identity, PLAN_TTL_PERIODS * period),
+                                      config.swarm.dht_timeout)
+
+    def planned(records: Sequence[PeerRecord], current: Plan | None, broker: str, version: int) -> Plan:
+        return next_plan(records, current, shape=shape, model=model, objective="inference", broker=broker,
+                         now=time.time(), first_version=version, local=server.link_table, local_id=server.peer_id)
+
+    def broker(records: Sequence[PeerRecord], found: list[Plan], last: Plan | None) -> Plan | None:
+        if last is None:  # just elected: carry on from the last broker's plan, as this broker, after its version
+            before = max((p for p in found if not p.run_id), key=lambda p: p.version, default=None)
+            return plan_for(records, shape=shape, model=model, objective="inference", version=next_version(found),
+                            broker=server.peer_id, now=time.time(), current=before, local=server.link_table,
+                            local_id=server.peer_id)
+        return planned(records, last, server.peer_id, next_version(found))
+
+    def self_plan(records: Sequence[PeerRecord], own: Plan | None) -> Plan | None:
+        return planned(records, own, "", 0 if own is None else own.version + 1)
+
+    follower = PlanFollower(server, server.peer_id, period=period, private=private, may_train=policy.allows,
+                            fetch_records=records, fetch_plans=plans, publish=publish,
+                            broker=broker if organise else None, self_plan=self_plan if organise else None)
+    return [follower.run()]
