@@ -6,16 +6,19 @@ process's; a stage peer killed mid-run is re-planned around (the backup takes it
 
 from __future__ import annotations
 
+import json
 import math
 import signal
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from peers.cli.launch import LocalSwarm
 from peers.client.swarm_client import SwarmClient
 from peers.core.config import ClientConfig
-from peers.model import make_tiny_model
+from peers.model import LocalModel, make_tiny_model
 from peers.trainer.swarm_trainer import SwarmTrainer
 from peers.training import LocalTrainer, OptimConfig, TokenBatches, encode_bytes
 from swarm.discovery import fetch_plans
@@ -83,3 +86,56 @@ def test_trainer_plans_its_run_peers_move_and_a_backup_replaces_a_killed_stage(m
             assert trainer.steps_done == 6
             log = by_id[backup].log()
             assert "Following plan v" in log and "Moving to blocks" in log
+
+
+def _swarm_plans(client: SwarmClient) -> list:
+    return [p for p in client.loop.run(fetch_plans(client.node, client.model_name)) if not p.run_id]
+
+
+def _wait(what, timeout: float, poll: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = what()
+        if found:
+            return found
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout} s")
+
+
+def test_private_swarm_broker_is_elected_publishes_and_is_replaced_when_it_leaves(model4, tmp_path):
+    with LocalSwarm(tmp_path, update_period=1.0, private=True) as swarm:
+        swarm.start_dht()
+        flags = ["--organise", "--max_blocks", "2"]
+        procs = [swarm.start_peer(model4, block_indices="0:1", name="a", wait=False, extra=flags),
+                 swarm.start_peer(model4, block_indices="1:2", name="b", wait=False, extra=flags),
+                 swarm.start_peer(model4, name="c", wait=False, extra=["--backup", *flags])]
+        for proc in procs:
+            swarm.wait_ready(proc)
+        by_id = {p.peer_id: p for p in procs}
+        with SwarmClient(model4, config=ClientConfig(swarm=swarm.swarm_config(), request_timeout=20)) as client:
+            client.wait_for_records(3)
+            first = _wait(lambda: _swarm_plans(client), 30)
+            assert [p.broker for p in first] == [min(by_id)]  # the smallest member id, elected by each member
+            plan = first[0]
+            assert plan.groups and all(g.num_blocks == 4 for g in plan.groups)
+
+            def in_place():
+                records = {r.peer_id: r for r in client.records()}
+                return all(records.get(s.peer_id) is not None and records[s.peer_id].state == PeerState.ONLINE
+                           and (records[s.peer_id].start, records[s.peer_id].end) == s.span
+                           for p in _swarm_plans(client) for g in p.groups for s in g.stages)
+
+            _wait(in_place, 60)
+            input_ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(2))
+            expected, _ = LocalModel.from_dir(model4).forward(input_ids)
+            assert torch.allclose(client.forward(input_ids), expected, atol=1e-4)
+            assert client.router.plans  # routed along the plan's group
+
+            broker = plan.broker
+            by_id[broker].kill(signal.SIGKILL)
+            killed = time.monotonic()
+            successor = min(p for p in by_id if p != broker)
+            taken = _wait(lambda: [p for p in _swarm_plans(client) if p.broker == successor], 30, poll=0.2)
+            took = time.monotonic() - killed
+            print(json.dumps({"broker_takeover_s": round(took, 2), "update_period_s": 1.0, "record_ttl_s": 3.0}))
+            assert taken[0].version > plan.version and broker not in taken[0].peers
