@@ -106,8 +106,11 @@ class PlanFollower:
         """One round: broker duty (if elected), pick the plan, move if it puts this peer elsewhere."""
         records = await self.fetch_records()
         plans = await self.fetch_plans()
-        if self.private and self.broker is not None and self.publish is not None \
-                and swarm_broker(records) == self.peer_id:
+        elected = self.private and self.broker is not None and self.publish is not None \
+            and swarm_broker(records) == self.peer_id
+        if not elected:
+            self.brokered = None  # elected again later: it starts after the versions published meanwhile
+        if elected and self.broker is not None and self.publish is not None:
             plan = self.broker(records, plans, self.brokered)
             if plan is not None:
                 if self.brokered is None or plan.version != self.brokered.version:

@@ -108,3 +108,21 @@ def test_public_peer_ignores_swarm_plans_and_follows_allowed_trainers_only():
     f, server, _ = follower("D", records, [run], private=False, may_train=lambda p: p == pid("T"))
     asyncio.run(f.step())
     assert server.calls == [("backup",)]
+
+
+def test_a_broker_that_lost_the_election_starts_afresh_when_elected_again():
+    records = [rec("A"), rec("C")]
+    seen = []
+
+    def broker(records, plans, last):
+        seen.append(last)
+        return plan("A", 1 if last is None else last.version)
+
+    f, _, published = follower("A", records, [], private=True, broker=broker)
+    asyncio.run(f.step())
+    records.insert(0, PeerRecord(peer_id="12D3KooW" + "1" * 44, model=MODEL, start=0, end=2,
+                                 state=PeerState.ONLINE, throughput=1.0))  # a smaller id shows up: not elected
+    asyncio.run(f.step())
+    records.pop(0)  # it left: elected again
+    asyncio.run(f.step())
+    assert seen == [None, None] and len(published) == 2
