@@ -25,13 +25,14 @@ from privacy.peer_ids import short_id
 from swarm.discovery import announce_plan, fetch_plans, fetch_records
 from swarm.estimator import ModelShape
 from swarm.plan.broker import next_plan, plan_for
-from swarm.plan.trust import PlanKey, key_of, next_version, pick_plan, swarm_broker
+from swarm.plan.trust import PlanKey, key_of, pick_plan, swarm_broker
 from swarm.plan.types import Plan
 from swarm.records import PeerRecord
 
 logger = logging.getLogger(__name__)
 
-PLAN_TTL_PERIODS = 3  # a swarm broker's plan lives this many update periods (republished every period)
+PLAN_TTL_PERIODS = 6  # a swarm broker's plan lives this many update periods (republished every period): longer
+# than its record (2 periods + 1 s), so that the next broker sees the last version when it takes over
 JITTER = 0.2  # fraction of the period added at random to each wait: peers do not all move at once
 
 
@@ -81,7 +82,7 @@ class PlanFollower:
                  fetch_records: Callable[[], Awaitable[Sequence[PeerRecord]]],
                  fetch_plans: Callable[[], Awaitable[list[Plan]]],
                  publish: Callable[[Plan], Awaitable[bool]] | None = None,
-                 broker: Callable[[Sequence[PeerRecord], list[Plan], Plan | None], Plan | None] | None = None,
+                 broker: Callable[[Sequence[PeerRecord], list[Plan], Plan | None, int], Plan | None] | None = None,
                  self_plan: Callable[[Sequence[PeerRecord], Plan | None], Plan | None] | None = None) -> None:
         self.server, self.peer_id, self.period, self.private = server, peer_id, period, private
         self.may_train, self.fetch_records, self.fetch_plans = may_train, fetch_records, fetch_plans
@@ -90,6 +91,7 @@ class PlanFollower:
         self.followed: dict[PlanKey, int] = {}  # highest version followed per (broker, run)
         self.brokered: Plan | None = None  # the swarm-wide plan this peer published as the broker
         self.own: Plan | None = None  # public swarm: the last plan this peer made for itself
+        self.highest = -1  # the highest swarm-wide version seen: a new broker continues after it
 
     async def run(self) -> None:
         """Every period (plus jitter), one :meth:`step`; errors are logged and the loop goes on."""
@@ -106,12 +108,13 @@ class PlanFollower:
         """One round: broker duty (if elected), pick the plan, move if it puts this peer elsewhere."""
         records = await self.fetch_records()
         plans = await self.fetch_plans()
+        self.highest = max([self.highest, *(p.version for p in plans if not p.run_id)])
         elected = self.private and self.broker is not None and self.publish is not None \
             and swarm_broker(records) == self.peer_id
         if not elected:
             self.brokered = None  # elected again later: it starts after the versions published meanwhile
         if elected and self.broker is not None and self.publish is not None:
-            plan = self.broker(records, plans, self.brokered)
+            plan = self.broker(records, plans, self.brokered, self.highest + 1)
             if plan is not None:
                 if self.brokered is None or plan.version != self.brokered.version:
                     logger.info("Broker of the swarm: publishing plan v%d (%d group(s), %d backup(s))", plan.version,
@@ -167,13 +170,13 @@ def plan_following(server: Any) -> list[Coroutine[Any, Any, None]]:
         return next_plan(records, current, shape=shape, model=model, objective="inference", broker=broker,
                          now=time.time(), first_version=version, local=server.link_table, local_id=server.peer_id)
 
-    def broker(records: Sequence[PeerRecord], found: list[Plan], last: Plan | None) -> Plan | None:
+    def broker(records: Sequence[PeerRecord], found: list[Plan], last: Plan | None, version: int) -> Plan | None:
         if last is None:  # just elected: carry on from the last broker's plan, as this broker, after its version
             before = max((p for p in found if not p.run_id), key=lambda p: p.version, default=None)
-            return plan_for(records, shape=shape, model=model, objective="inference", version=next_version(found),
+            return plan_for(records, shape=shape, model=model, objective="inference", version=version,
                             broker=server.peer_id, now=time.time(), current=before, local=server.link_table,
                             local_id=server.peer_id)
-        return planned(records, last, server.peer_id, next_version(found))
+        return planned(records, last, server.peer_id, version)
 
     def self_plan(records: Sequence[PeerRecord], own: Plan | None) -> Plan | None:
         return planned(records, own, "", 0 if own is None else own.version + 1)

@@ -81,7 +81,7 @@ def test_elected_broker_publishes_and_follows_its_own_plan():
     records = [rec("A"), rec("C")]
     made = []
 
-    def broker(records, plans, last):
+    def broker(records, plans, last, version):
         made.append(last)
         return plan("A", 1)
 
@@ -114,7 +114,7 @@ def test_a_broker_that_lost_the_election_starts_afresh_when_elected_again():
     records = [rec("A"), rec("C")]
     seen = []
 
-    def broker(records, plans, last):
+    def broker(records, plans, last, version):
         seen.append(last)
         return plan("A", 1 if last is None else last.version)
 
@@ -126,3 +126,21 @@ def test_a_broker_that_lost_the_election_starts_afresh_when_elected_again():
     records.pop(0)  # it left: elected again
     asyncio.run(f.step())
     assert seen == [None, None] and len(published) == 2
+
+
+def test_a_new_broker_continues_after_the_highest_version_seen_even_once_it_expired():
+    records = [rec("A"), rec("C")]
+    plans = [plan("A", 7)]
+    versions = []
+
+    def broker(records, found, last, version):
+        versions.append(version)
+        return plan("C", version)
+
+    f, server, published = follower("C", records, plans, private=True, broker=broker)
+    asyncio.run(f.step())  # A is the broker: C follows its v7
+    assert server.calls == [("move", 3, 4)] and published == []
+    records.pop(0)
+    plans.clear()  # A left, and its plan expired with it
+    asyncio.run(f.step())
+    assert versions == [8] and published == [plan("C", 8)]
