@@ -45,6 +45,7 @@ class RunPlanner:
         self.published_at = -float("inf")
         self.failed_at: float | None = None  # time.monotonic() of the failure that caused the current re-plan
         self.group: PricedGroup | None = None  # the group the run trains on
+        self.lost_before = 0
 
     async def groups(self, grace: float) -> list[list[PeerRecord]]:
         """Make (or keep) the run's plan, publish it, wait up to ``grace`` s for one of its groups to serve its
@@ -65,6 +66,7 @@ class RunPlanner:
         if self.plan is None or plan.version != self.plan.version:
             replanned = self.plan is not None
             self.failed_at = (trainer.broken_since or time.monotonic()) if replanned else None
+            self.lost_before = len(trainer.lost_steps)  # lost-step reports of this recovery come after these
             logger.info("Run %s: %s plan v%d: %s; backups: %s", trainer.run_id, "new" if replanned else "the",
                         plan.version, " | ".join(_describe(g.stages) for g in plan.groups),
                         ", ".join(short_id(b) for b in plan.backups) or "none")
@@ -115,9 +117,11 @@ class RunPlanner:
         if ok:
             self.published_at = time.monotonic()
 
-    def recovered(self, steps_lost: int) -> None:
-        """Log how long the run took to recover from the failure that caused the last re-plan (once)."""
+    def recovered(self) -> None:
+        """Log how long the run took to recover from the failure that caused the last re-plan, and the steps its
+        blocks lost (a span that came back behind the run: ``SwarmTrainer.lost_steps``), once."""
         if self.failed_at is not None:
+            steps_lost = sum(int(e.get("lost", 0)) for e in self.trainer.lost_steps[self.lost_before:])
             logger.info("Run %s: recovered on plan v%d in %.1f s after the failure; steps lost: %d",
                         self.trainer.run_id, self.plan.version if self.plan else -1,
                         time.monotonic() - self.failed_at, steps_lost)

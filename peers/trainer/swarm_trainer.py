@@ -283,7 +283,7 @@ class SwarmTrainer:
         if self.stages:  # every stage applied it: the run is whole again
             self.broken_since = 0.0
             if self.planner is not None:
-                self.planner.recovered(len(self.lost_steps))
+                self.planner.recovered()
         busy = [b / len(group) for b, group in zip(stage_busy, self.replicas, strict=True)]  # per replica
         return StepResult(sum(losses), sum(int(m[:, 1:].numel()) for m in micro_batches), stage_steps,
                           time.perf_counter() - started, busy, [s.peer_id for s in self.stages])

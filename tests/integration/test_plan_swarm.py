@@ -7,7 +7,9 @@ process's; a stage peer killed mid-run is re-planned around (the backup takes it
 from __future__ import annotations
 
 import json
+import logging
 import math
+import re
 import signal
 import time
 from pathlib import Path
@@ -38,7 +40,8 @@ def _batches() -> TokenBatches:
     return TokenBatches(encode_bytes(TEXT), seq_len=16, micro_batch=2, seed=3)
 
 
-def test_trainer_plans_its_run_peers_move_and_a_backup_replaces_a_killed_stage(model4, tmp_path):
+def test_trainer_plans_its_run_peers_move_and_a_backup_replaces_a_killed_stage(model4, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="peers.trainer.run_plan")
     accumulation = 2
     with LocalSwarm(tmp_path, update_period=1.0, train=True) as swarm:
         swarm.start_dht()
@@ -86,6 +89,11 @@ def test_trainer_plans_its_run_peers_move_and_a_backup_replaces_a_killed_stage(m
             assert trainer.steps_done == 6
             log = by_id[backup].log()
             assert "Following plan v" in log and "Moving to blocks" in log
+            recovered = [r.getMessage() for r in caplog.records if "recovered on plan" in r.getMessage()]
+            assert len(recovered) == 1, recovered
+            found = re.search(r"in ([0-9.]+) s after the failure; steps lost: (\d+)", recovered[0])
+            print(json.dumps({"recover_s": float(found.group(1)), "steps_lost": int(found.group(2)),
+                              "update_period_s": 1.0}))
 
 
 def _swarm_plans(client: SwarmClient) -> list:
