@@ -144,3 +144,31 @@ def test_a_new_broker_continues_after_the_highest_version_seen_even_once_it_expi
     plans.clear()  # A left, and its plan expired with it
     asyncio.run(f.step())
     assert versions == [8] and published == [plan("C", 8)]
+
+
+def test_public_peer_with_organise_follows_its_own_plan_unless_a_trusted_run_exists():
+    records = [rec("A"), rec("C")]
+    made = []
+
+    def self_plan(records, own):
+        made.append(own)
+        return plan("Z", 0 if own is None else own.version)
+
+    server = FakeServer((0, 2))
+
+    async def fetch_records():
+        return records
+
+    plans: list[Plan] = []
+
+    async def fetch_plans():
+        return list(plans)
+
+    f = PlanFollower(server, pid("A"), period=1.0, private=False, may_train=lambda p: p == pid("T"),
+                     fetch_records=fetch_records, fetch_plans=fetch_plans, self_plan=self_plan)
+    asyncio.run(f.step())
+    asyncio.run(f.step())
+    assert server.calls == [("move", 0, 3)] and made == [None, plan("Z", 0)]  # its own plan, kept between rounds
+    plans.append(plan("T", 1, run_id="r"))  # an allowed trainer's run wins over its own plan
+    asyncio.run(f.step())
+    assert len(made) == 2 and f.current == plan("T", 1, run_id="r")
