@@ -59,45 +59,53 @@ def tiers(costs: Iterable[float]) -> list[float]:
 
 
 def group_peers(peers: Sequence[PlanPeer], num_blocks: int, view: LinkView, cost: CostModel, *,
-                taken: frozenset[str] = frozenset()) -> Grouping:
+                kept: Sequence[Sequence[str]] = ()) -> Grouping:
     """Split ``peers`` into groups (see the module) and backups. Deterministic: the same input gives the same
     output. ``view`` must list the measured links (``neighbours``); pairs it does not know are never walked.
-    ``taken``: ids of ``peers`` already in groups (kept from the plan in force): they join no new group, but a
-    site holding them has groups, so its peers left over are backups as for a site that made groups here."""
+    ``kept``: groups (peer ids in pipeline order, all in ``peers``) kept from the plan in force: their peers join no
+    new group and are not returned, but each counts at its tier (its slowest measured hop) as a group made there,
+    so a site holding one treats its other peers as a site that made groups would."""
     by_id = {p.peer_id: p for p in peers}
     if len(by_id) != len(peers):
         raise ValueError("group_peers: a peer appears twice")
     near: dict[str, list[tuple[float, str]]] = {pid: [] for pid in by_id}
-    weights = []
+    weight: dict[tuple[str, str], float] = {}
     for a, b in view.pairs():
         if a in by_id and b in by_id:
             w = max(cost.direction_s(*view(a, b)), cost.direction_s(*view(b, a)))  # both hops' worst
             near[a].append((w, b))
             near[b].append((w, a))
-            weights.append(w)
+            weight[(a, b)] = weight[(b, a)] = w
     for row in near.values():
         row.sort()
+    thresholds = tiers(weight.values())
+    kept_tier: dict[str, float] = {}
+    for group in kept:
+        slowest = max((weight.get((a, b), math.inf) for a, b in zip(group, group[1:], strict=False)), default=0.0)
+        tier = next((t for t in thresholds if t >= slowest), math.inf)
+        kept_tier.update((pid, tier) for pid in group)
     held = {pid: min(p.max_blocks, num_blocks) for pid, p in by_id.items()}
     remaining = set(by_id)
     groups: list[tuple[PlanPeer, ...]] = []
     made_at: list[float] = []
     backups: list[str] = []
-    for limit in tiers(weights):
+    for limit in thresholds:
         for component in _components(remaining, near, limit):
-            free = [p for p in component if p not in taken]
-            if len(free) == len(component) and sum(held[p] for p in component) < num_blocks:
+            free = [p for p in component if p not in kept_tier]
+            has_groups = any(kept_tier.get(p, math.inf) <= limit for p in component)
+            if not has_groups and sum(held[p] for p in free) < num_blocks:
                 continue
             paths, left = _grow(free, near, limit, held, num_blocks, by_id, cost)
-            if paths or len(free) < len(component):
+            if paths or has_groups:
                 groups.extend(tuple(by_id[p] for p in path) for path in paths)
                 made_at.extend([limit] * len(paths))
                 backups.extend(left)
-                remaining -= set(component)
-    paths, left = _grow_unmeasured(sorted(remaining - taken), held, num_blocks, by_id, cost)
+                remaining -= {p for p in component if kept_tier.get(p, -1.0) <= limit}
+    paths, left = _grow_unmeasured(sorted(p for p in remaining if p not in kept_tier), held, num_blocks, by_id, cost)
     groups.extend(tuple(by_id[p] for p in path) for path in paths)
     made_at.extend([math.inf] * len(paths))
     backups.extend(left)
-    return Grouping(tuple(groups), tuple(made_at), tuple(by_id[p] for p in sorted(set(backups) - taken)))
+    return Grouping(tuple(groups), tuple(made_at), tuple(by_id[p] for p in sorted(backups)))
 
 
 def _components(remaining: set[str], near: dict[str, list[tuple[float, str]]], limit: float) -> list[list[str]]:
