@@ -132,21 +132,18 @@ def _components(remaining: set[str], near: dict[str, list[tuple[float, str]]], l
     return sorted((sorted(m) for m in members.values()), key=lambda m: m[0])
 
 
-def _speed_gap(cost: CostModel, a: PlanPeer, b: PlanPeer) -> float:
-    return abs(math.log(cost.block_s(a) / cost.block_s(b)))
-
-
 def _grow(component: Sequence[str], near: dict[str, list[tuple[float, str]]], limit: float, held: dict[str, int],
           num_blocks: int, by_id: dict[str, PlanPeer], cost: CostModel) -> tuple[list[list[str]], list[str]]:
     """Paths of peers along links within ``limit``, each holding the model; and the peers left over, sorted."""
     free = set(component)
-    seeds = sorted(component, key=lambda p: (-held[p], cost.block_s(by_id[p]), p))
+    speed = {p: math.log(cost.block_s(by_id[p])) for p in component}
+    seeds = sorted(component, key=lambda p: (-held[p], speed[p], p))
     paths: list[list[str]] = []
     for seed in seeds:
         if seed not in free:
             continue
         free.discard(seed)
-        path, total, first = [seed], held[seed], by_id[seed]
+        path, total, first = [seed], held[seed], speed[seed]
         while total < num_blocks:
             options = []  # (peer, link cost, at the head?)
             for head, end in ((False, path[-1]), (True, path[0])):
@@ -163,7 +160,7 @@ def _grow(component: Sequence[str], near: dict[str, list[tuple[float, str]]], li
             completing = [o for o in options if held[o[0]] >= need]
             sign = 1 if completing else -1  # completing: the least memory to spare; else: the most memory
             peer, _, head = min(completing or options, key=lambda o: (
-                sign * held[o[0]], o[1], _speed_gap(cost, by_id[o[0]], first), o[0], o[2]))
+                sign * held[o[0]], o[1], abs(speed[o[0]] - first), o[0], o[2]))
             free.discard(peer)
             if head:
                 path.insert(0, peer)
