@@ -9,6 +9,7 @@ from swarm.estimator import ModelShape
 from swarm.plan.costs import CostModel
 from swarm.plan.grouping import group_peers, relaxed_rate, tiers
 from swarm.plan.linkview import LinkView
+from swarm.plan.planner import make_plan
 from swarm.plan.synthetic import peer_id, synthetic_swarm
 from swarm.plan.types import PlanPeer
 
@@ -52,6 +53,13 @@ def test_three_sites_each_holding_the_model_make_groups_inside_their_site():
     grouping = group_peers(peers, NUM_BLOCKS, view, COST)
     assert sites_of(grouping, site) == ["A", "B", "C"]
     assert grouping.backups == ()
+
+
+def test_the_plan_of_three_sites_keeps_groups_off_the_8_mbit_link():
+    peers, view, site = three_sites({"A": 4, "B": 4, "C": 4})
+    plan = make_plan(peers, NUM_BLOCKS, view, shape=SHAPE, model="m", version=1)
+    assert sorted("".join(sorted({site[s.peer_id] for s in g.stages})) for g in plan.groups) == ["A", "B", "C"]
+    assert all(g.seconds_per_token == pytest.approx(4 * 3e-3, rel=0.01) for g in plan.groups)  # compute-bound
 
 
 def test_a_site_that_cannot_hold_the_model_joins_its_neighbour_over_100_mbit_not_8_mbit():

@@ -135,6 +135,7 @@ def test_should_adopt_when_the_current_plan_no_longer_works():
     assert should_adopt(current, current, smaller, LinkView({}), shape=SHAPE)
     assert should_adopt(current, dataclasses.replace(current, objective="inference"), peers, LinkView({}),
                         shape=SHAPE)
+    assert should_adopt(current, dataclasses.replace(current, model="other"), peers, LinkView({}), shape=SHAPE)
     with pytest.raises(ValueError, match="margin"):
         should_adopt(current, current, peers, LinkView({}), margin=-0.1, shape=SHAPE)
 
