@@ -48,7 +48,8 @@ class CostModel:
         pairs = 2 if self.training else 1
         stream = pairs * ((self.stream.send_s + self.stream.recv_s) / self.message_tokens
                           + 2 * token_bytes * self.stream.cpu_s_per_byte)
-        object.__setattr__(self, "_token_bytes", token_bytes)  # constants of the hot paths, computed once
+        object.__setattr__(self, "_training", self.objective == "training")  # constants of the hot paths
+        object.__setattr__(self, "_token_bytes", token_bytes)
         object.__setattr__(self, "_stream_s", stream)
 
     @property
@@ -62,7 +63,7 @@ class CostModel:
 
     def block_s(self, peer: PlanPeer) -> float:
         """Seconds per token of one block on ``peer`` (forward, plus backward for training)."""
-        return peer.forward_s + peer.backward_s if self.training else peer.forward_s
+        return peer.forward_s + peer.backward_s if self._training else peer.forward_s  # type: ignore[attr-defined]
 
     def stream_s(self) -> float:
         """Seconds per token a stage's CPU spends on the stream: one message in and one out per direction

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from swarm.plan.costs import CostModel
-from swarm.plan.partition import Partition, candidates, hop_matrix, partition
+from swarm.plan.partition import Partition, candidates, cut_at, hop_matrix, partition
 from swarm.plan.types import LinkCost, PlanPeer
 
 EXACT_LIMIT = 8  # peers: the subset search's 2^n x n^2 steps per test stay around 16k
@@ -48,11 +48,10 @@ def order_group(peers: Sequence[PlanPeer], num_blocks: int, links: LinkCost, cos
             high, found = middle, path
     if low == len(values) - 1 or found is None:
         found = _path(order, num_blocks, cost, hops, values[low]) or list(range(len(order)))
-    rest = [i for i in range(len(order)) if i not in set(found)]
-    chosen = [order[i] for i in found] + [order[i] for i in rest]
-    index = {p.peer_id: i for i, p in enumerate(order)}
-    sub = [[hops[index[a.peer_id]][index[b.peer_id]] for b in chosen] for a in chosen]
-    return partition(chosen, num_blocks, links, cost, prefer=prefer, hops=sub)
+    placed = set(found)
+    chosen = found + [i for i in range(len(order)) if i not in placed]
+    sub = [[hops[i][j] for j in chosen] for i in chosen]
+    return cut_at([order[i] for i in chosen], num_blocks, links, cost, sub, values[low], prefer)
 
 
 def _path(order: Sequence[PlanPeer], num_blocks: int, cost: CostModel, hops: Sequence[Sequence[float]],

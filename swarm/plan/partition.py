@@ -78,9 +78,15 @@ def partition(order: Sequence[PlanPeer], num_blocks: int, links: LinkCost, cost:
             low = middle + 1
         else:
             high = middle
-    best = values[low]
+    return cut_at(order, num_blocks, links, cost, hops, values[low], prefer)
+
+
+def cut_at(order: Sequence[PlanPeer], num_blocks: int, links: LinkCost, cost: CostModel,
+           hops: Sequence[Sequence[float]], best: float, prefer: Mapping[str, int] | None = None) -> Partition:
+    """The cut of ``partition`` once its bottleneck ``best`` is known (reachable over ``order``: else an error)."""
     chain = _chain(order, num_blocks, cost, hops, best)
-    assert chain is not None
+    if chain is None:
+        raise ValueError(f"no cut of {num_blocks} blocks over these peers reaches {best} s per token")
     spans = _cut([order[i] for i in chain], [cost.max_blocks_within(order[i], best) for i in chain], num_blocks,
                  prefer or {})
     used = {i for i in chain}
