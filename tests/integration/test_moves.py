@@ -83,9 +83,9 @@ def test_bad_spans_are_refused_and_the_peer_keeps_serving(move_swarm, model4):
     input_ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(5))
     with SwarmClient(model4, initial_peers=swarm.initial_peers) as client:
         client.wait_for_records(3)
-        expected = LocalModel.from_dir(model4).forward(input_ids)
+        expected = LocalModel.from_dir(model4).forward(input_ids)[0]
         assert torch.allclose(client.forward(input_ids), expected, atol=1e-4)
-        assert client.info(a.peer_id).inference_steps >= 0 and _record(client, a.peer_id).span == "0:2"
+        assert _record(client, a.peer_id).span == "0:2"
 
 
 @pytest.mark.parametrize("topology", ["chain", "star"])
@@ -123,7 +123,7 @@ def test_peer_moves_mid_generation_and_a_backup_takes_its_place(move_swarm, mode
         assert "moved: this peer now serves 2:4 (it served 0:2)" in a.log() or topology == "star"
         # a plain forward on a's old span from a fresh client with a stale view is refused as moved, no ban
         with SwarmClient(model4, config=config) as other:
-            assert torch.allclose(other.forward(input_ids), LocalModel.from_dir(model4).forward(input_ids), atol=1e-4)
+            assert torch.allclose(other.forward(input_ids), LocalModel.from_dir(model4).forward(input_ids)[0], atol=1e-4)
 
 
 def test_training_resumes_across_moves_with_the_weights_that_moved(model4, tmp_path):
