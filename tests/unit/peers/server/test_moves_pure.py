@@ -216,3 +216,24 @@ def test_a_run_opened_after_a_move_counts_from_the_weights_carried(model_dir):
         rpc.shutdown()
 
 
+
+
+def test_swarm_move_sends_one_line_and_exits_by_the_answer(tmp_path, capsys):
+    """``swarm move --control_socket PATH SPAN``: 0 and the peer's ``ok: ...`` line, 1 on its refusal, 2 (with
+    what to check) when no peer listens there."""
+    from peers.cli.commands import main
+
+    peer, path = FakePeer(), tmp_path / "peer.sock"
+
+    async def scenario() -> list[int]:
+        listener = await serve_control(path, peer)
+        try:
+            return [await asyncio.to_thread(main, ["move", "--control_socket", str(path), span])
+                    for span in ("2:4", "1:9", "backup")]
+        finally:
+            listener.close()
+
+    assert asyncio.run(scenario()) == [0, 1, 0]
+    assert capsys.readouterr().out.splitlines() == ["ok: serving 2:4", "error: cannot move to blocks 1:9",
+                                                    "ok: backup (no blocks)"]
+    assert main(["move", "--control_socket", str(tmp_path / "none.sock"), "0:2"]) == 2
