@@ -18,6 +18,11 @@ _STATE_STYLE = {
 }
 
 
+def blocks_cell(record: PeerRecord) -> str:
+    """The span a peer serves; a backup serves none (its record's span ``0:N`` is how many it could take)."""
+    return f"none (up to {record.num_blocks})" if record.state == PeerState.BACKUP else record.span
+
+
 SHOWN_LINKS = 3  # best links shown per peer (a record carries up to 8)
 
 
@@ -29,7 +34,7 @@ def status_table(model: str, records: list[PeerRecord], total_blocks: int) -> Ta
     for r in sorted(records, key=lambda r: (r.start, r.end, r.peer_id)):
         style = _STATE_STYLE[r.state]
         table.add_row(
-            f"...{r.peer_id[-8:]}", r.public_name or "-", r.span, f"[{style}]{r.state.value}[/{style}]",
+            f"...{r.peer_id[-8:]}", r.public_name or "-", blocks_cell(r), f"[{style}]{r.state.value}[/{style}]",
             f"{r.throughput:,.0f}", compute_cell(r), links_cell(r), r.device, r.dtype, r.version or "-",
         )
     missing = missing_blocks(records, total_blocks)

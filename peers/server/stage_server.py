@@ -352,8 +352,8 @@ class StageServer:
         chain = self.handler.inference.chain if old is not None else None  # the old span's chained steps
         if old is not None:
             new.sessions.moved = {session_id: refusal for session_id in old.sessions.sessions}
-        self.handler.switch(new.backend, new.info, new.sessions, new.training,
-                            left=(old.start, old.end) if old is not None else None)
+        self.handler.switch(new.backend, new.info, new.sessions, new.training,  # a backup: the span it served last
+                            left=(old.start, old.end) if old is not None else self.handler.left)
         if old is not None:
             self._retire(old, chain, refusal)
 

@@ -313,10 +313,7 @@ class TrainingRPC:
         drop the run (its trainer's next request gets ``refusal``, a ``moved:`` one) and stop the training thread."""
         self.moved, self.retired = refusal, True
         self.chain.reset(refusal)  # chained waits of the run fail now
-        saved = await self._compute(self.save_unsaved, "before moving to another span")
-        if saved is None and self.trainer is not None and self.trainer.step and self.checkpoint_dir is not None:
-            logger.warning("Run %r: step %d of blocks %d:%d was not saved as this peer moved", self.run_id,
-                           self.trainer.step, self.info.start, self.info.end)
+        await self._compute(self.save_unsaved, "before moving to another span")
         self.trainer, self.owner, self.averager = None, None, None
         self.shutdown()
 

@@ -73,3 +73,14 @@ def test_status_shows_plans_groups_stages_backups_and_version():
     console = Console(width=250, record=True)
     print_status("m", records, 8, console, plans=[])
     assert "no plan published" in console.export_text()
+
+
+def test_a_backup_shows_no_blocks():
+    """Issue 13: a backup's record names span 0:N (what it could take), but it serves none."""
+    from peers.cli.status import blocks_cell
+    from swarm.records import PeerRecord, PeerState
+
+    record = PeerRecord(peer_id="12D3KooW" + "A" * 44, model="m", start=0, end=6, state=PeerState.BACKUP,
+                        throughput=1.0)
+    assert blocks_cell(record) == "none (up to 6)"
+    assert blocks_cell(record.__class__(**{**record.__dict__, "state": PeerState.ONLINE})) == "0:6"
