@@ -10,6 +10,13 @@
 - ``hysteresis``: ``should_adopt`` (switch only when clearly better than the current plan priced today), ``reprice``.
 - ``from_records``: ``plan_peers`` and ``link_view_from_records``: the planner's input from a DHT snapshot.
 - ``synthetic``: seeded synthetic swarms (sites, sparse links) for tests, benchmarks and simulations.
+
+Sharing and trusting plans (the broker's side):
+
+- ``signed``: ``sign_plan`` / ``verify_plan``, a plan as the DHT carries it, signed by its broker under its peer id.
+- ``trust``: ``swarm_broker`` (a private swarm's election), ``pick_plan`` (which plan a peer may follow).
+- ``broker``: ``plan_for`` / ``next_plan``, a snapshot to the plan to publish (hysteresis, version + 1).
+- ``route``: ``price_groups`` / ``plan_route``, the live group the estimator prices fastest for a client.
 """
 
 from swarm.plan.costs import CostModel
