@@ -1,12 +1,14 @@
 """``make_plan``: a snapshot of peers and links in, a ``Plan`` out (pure, deterministic).
 
-Grouping (``grouping``) picks the peers of each pipeline group, ``ordering`` orders and cuts each one; peers no group
-uses are the backups. Peers a cut leaves out get another grouping round (the groups so far kept) until no new group
-forms, so a plan is its own fixpoint: replanning an unchanged swarm with it moves nobody. Given the plan in force (``current``), the planner also prices a plan that keeps every
-current group still whole (its peers in the same order, its cut re-optimised, spans kept where that costs nothing;
-newcomers may join it), with the other peers grouped afresh, and returns it unless the fresh plan is faster by more than ``keep_margin``
-(5 %): peers stay where they are when moving them buys little (moves cost: blocks reload, sessions replay). Whether
-to switch to the result at all is ``hysteresis.should_adopt``'s call.
+Grouping (``grouping``) picks the peers of each pipeline group, ``ordering`` orders and cuts each one; peers no
+group uses are the backups. Peers a cut leaves out get another grouping round (the groups so far kept) until no new
+group forms, so a plan is its own fixpoint: replanning an unchanged swarm with it moves nobody.
+
+Given the plan in force (``current``), the planner also prices a plan that keeps every current group still whole
+(its peers in the same order, its cut re-optimised, spans kept where that costs nothing; newcomers may join it),
+with the other peers grouped afresh, and returns it unless the fresh plan is faster by more than ``keep_margin``
+(5 %): peers stay where they are when moving them buys little (moves cost: blocks reload, sessions replay).
+Whether to switch to the result at all is ``hysteresis.should_adopt``'s call.
 """
 
 from __future__ import annotations
