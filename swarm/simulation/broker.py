@@ -59,15 +59,27 @@ class SimBroker:
         self.cost = CostModel(self.shape, objective)
         self.rng = random.Random(seed)
         self.peers: dict[str, SimPeer] = {}  # live
-        self.visible: set[str] = set()  # the peers the broker believes alive (a leaver until it is detected)
         self.ever: dict[str, SimPeer] = {}  # every peer seen (a broken group still names its leavers)
-        self.plan: Plan | None = None
+        self.visible: set[str] = set()  # the peers the broker believes alive (a leaver until it is detected)
         self.groups: list[GroupState] = []
         self.group_of: dict[str, GroupState] = {}
         self.held: dict[str, tuple[int, int]] = {}  # the span whose weights a peer holds (loaded or loading)
+        self.achieved = 0.0  # tokens/s of the working groups
+        self._adopted: Plan | None = None  # the last plan adopted (backups repair its groups in ``groups``)
         self._token: dict[str, int] = {}  # bumps with each assignment: a stale "loaded" event is ignored
         self._waiting: list[tuple[Recovery, set[GroupState]]] = []  # recoveries a re-plan's new groups close
-        self.view: LinkView = LinkView({})
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan in force: the last adopted one with the backups' takeovers since (None before the first)."""
+        if self._adopted is None:
+            return None
+        groups = tuple(state.group for state in self.groups)
+        if groups == self._adopted.groups:
+            return self._adopted
+        named = {s.peer_id for g in groups for s in g.stages}
+        return replace(self._adopted, groups=groups, backups=tuple(b for b in self._adopted.backups
+                                                                    if b not in named))
 
     # --- the population ---------------------------------------------------------------------------------------
     def join(self, peer: SimPeer) -> None:
@@ -86,24 +98,22 @@ class SimBroker:
         state = self.group_of.get(peer_id)
         if state is None:
             return
-        was_working = state.working
-        state.down.add(peer_id)
-        if was_working:
-            self._set_rate()
         if state.recovery is None:
-            state.recovery = Recovery(self.loop.now)
+            state.recovery = Recovery(self.loop.now, lost=state.rate)
             self.metrics.recoveries.append(state.recovery)
+        self._down(state, peer_id)
         self.loop.after(self.detect_s + self.plan_period_s, lambda: self.repair(state, peer_id))
 
     # --- plans ------------------------------------------------------------------------------------------------
     def plan_peers(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[PlanPeer]:
         """What the planner is given: every peer the broker believes alive that can hold a block, but ``exclude``
-        (at most ``MAX_PEERS``: the fastest)."""
+        (a plan names at most ``MAX_PEERS``: beyond, the fastest per block held)."""
         able = [self.ever[i] for i in self.visible if i not in exclude and self.ever[i].can_serve]
-        if len(able) > MAX_PEERS:
+        room = MAX_PEERS - len(exclude)
+        if len(able) > room:
             able.sort(key=lambda p: (p.figures.forward_s / min(p.figures.max_blocks, self.model.num_blocks),
                                      p.peer_id))
-            able = able[:MAX_PEERS]
+            able = able[:room]
         return sorted((p.plan_peer for p in able), key=lambda p: p.peer_id)
 
     def replan(self, *, warm: bool = False) -> Plan:
@@ -111,11 +121,11 @@ class SimBroker:
         ``should_adopt`` (or there is none yet). Its tokens/s is the bound for this population. ``warm``: the
         adopted peers already hold their spans (a swarm that was running before the simulation)."""
         peers = self.plan_peers()
-        self.view = LinkView(self.known.table())
-        candidate = self._make(peers, self.plan)
+        view = LinkView(self.known.table())
+        current = self.plan
+        candidate = self._make(peers, view, current)
         self.metrics.set_bound(self.loop.now, candidate.tokens_per_s, len(self.peers))
-        if self.plan is None or should_adopt(self.plan, candidate, peers, self.view, margin=self.margin,
-                                             shape=self.shape):
+        if current is None or should_adopt(current, candidate, peers, view, margin=self.margin, shape=self.shape):
             self.adopt(candidate, warm=warm)
         return candidate
 
@@ -123,25 +133,26 @@ class SimBroker:
         """An incremental re-plan: the groups whose peers the broker still sees stay as they are; the planner
         groups the others (backups, joiners, the survivors of broken groups). Adopted when it adds a group or a
         broken group is dissolved; None when there was nothing to do."""
-        if self.plan is None:
+        current = self.plan
+        if current is None:
             return self.replan()
         intact = [st for st in self.groups if all(s.peer_id in self.visible for s in st.group.stages)]
         used = {s.peer_id for st in intact for s in st.group.stages}
         free = self.plan_peers(exclude=used)
-        if not free:
+        if not free and len(intact) == len(self.groups):
             return None
-        self.view = LinkView(self.known.table())
-        sub = self._make(free, None)
+        view = LinkView(self.known.table(among={p.peer_id for p in free}))
+        sub = self._make(free, view, None)
         if not sub.groups and len(intact) == len(self.groups):
             return None
         plan = replace(sub, groups=tuple(st.group for st in intact) + sub.groups)
         self.adopt(plan)
         return plan
 
-    def _make(self, peers: list[PlanPeer], current: Plan | None) -> Plan:
-        version = (self.plan.version + 1) if self.plan else 1
+    def _make(self, peers: list[PlanPeer], view: LinkView, current: Plan | None) -> Plan:
+        version = (self._adopted.version + 1) if self._adopted else 1
         started = time.perf_counter()
-        plan = make_plan(peers, self.model.num_blocks, self.view, shape=self.shape, objective=self.objective,
+        plan = make_plan(peers, self.model.num_blocks, view, shape=self.shape, objective=self.objective,
                          model=self.model.name, version=version, broker=BROKER_ID, now=self.loop.now,
                          current=current)
         self.metrics.plan_seconds.append(time.perf_counter() - started)
@@ -149,135 +160,144 @@ class SimBroker:
         return plan
 
     def adopt(self, plan: Plan, *, warm: bool = False) -> None:
+        """Switch to ``plan``: groups it keeps as they are run on; the others' peers move (and load)."""
         old = {state.key: state for state in self.groups}
         states: list[GroupState] = []
-        fresh: set[GroupState] = set()
+        fresh: list[GroupState] = []
+        moving: list[tuple[Assignment, GroupState]] = []
         for group in plan.groups:
             key = tuple((s.peer_id, s.start, s.end) for s in group.stages)
             state = old.pop(key, None)
-            if state is None:
-                state = GroupState(group, self._true_rate(group))
-                fresh.add(state)
-                for stage in group.stages:
-                    if stage.peer_id not in self.peers:
-                        state.down.add(stage.peer_id)  # left, not yet detected: the group is down from the start
-                    elif warm:
-                        self.held[stage.peer_id] = stage.span
-                    elif self.held.get(stage.peer_id) != stage.span:
-                        self._assign(stage, state, self.plan_period_s)
-                    elif (previous := self.group_of.get(stage.peer_id)) is not None \
-                            and stage.peer_id in previous.down:
-                        state.down.add(stage.peer_id)  # still loading the same span: its load event will say
-                    for a, b in zip(group.stages, group.stages[1:], strict=False):
-                        self.known.measure(a.peer_id, b.peer_id)
-            else:
+            if state is not None:
                 state.group = group
+                states.append(state)
+                continue
+            state = GroupState(group, self._true_rate(group))
+            fresh.append(state)
             states.append(state)
-        for state in old.values():  # dropped groups: their open recoveries wait for the new groups
+            for stage in group.stages:
+                peer_id = stage.peer_id
+                if peer_id not in self.peers:
+                    state.down.add(peer_id)  # left, not yet detected: the group is down from the start
+                elif warm:
+                    self.held[peer_id] = stage.span
+                elif self.held.get(peer_id) != stage.span:
+                    moving.append((stage, state))
+                elif (previous := self.group_of.get(peer_id)) is not None and peer_id in previous.down:
+                    state.down.add(peer_id)  # still loading the same span: its load event will say
+            for a, b in zip(group.stages, group.stages[1:], strict=False):
+                self.known.measure(a.peer_id, b.peer_id)
+        for state in old.values():  # dropped groups
+            if state.working:
+                self.achieved -= state.rate
             state.retired = True
             if state.recovery is not None and state.recovery.end is None:
-                state.recovery.how = "replan"
-                self._waiting.append((state.recovery, {s for s in fresh if not s.working}))
+                if fresh:  # its lost rate waits for the new groups
+                    state.recovery.how = "replan"
+                    self._waiting.append((state.recovery, set(fresh)))
+                else:
+                    state.recovery.how, state.recovery.end = "dissolved", self.loop.now
         for _, waiting in self._waiting:
             if any(s.retired for s in waiting):
                 waiting.difference_update({s for s in waiting if s.retired})
-                waiting.update(s for s in fresh if not s.working)
-        self.plan, self.groups = plan, states
+                waiting.update(fresh)
+        self._adopted, self.groups = plan, states
         self.group_of = {s.peer_id: state for state in states for s in state.group.stages}
+        self.achieved += sum(state.rate for state in fresh if state.working)
+        for stage, state in moving:
+            self._assign(stage, state, self.plan_period_s)
         self.metrics.plans_adopted += 1
-        self._set_rate()
+        self.metrics.rate(self.loop.now, self.achieved)
         self._close_waiting()
 
     def repair(self, state: GroupState, gone: str) -> None:
         """A backup takes ``gone``'s span in ``state`` (the fitting backup that gives the group the smallest
         bottleneck on the known links); none fits: the group stays down until a re-plan."""
-        if state.retired or self.plan is None or gone in self.peers:
+        if state.retired or gone in self.peers:
             return
         index = next((i for i, s in enumerate(state.group.stages) if s.peer_id == gone), None)
         if index is None:
             return
         stage = state.group.stages[index]
         blocks = stage.end - stage.start
-        pool = [self.ever[i] for i in self.visible if i not in self.group_of
-                and min(self.ever[i].figures.max_blocks, self.model.num_blocks) >= blocks]
+        pool = sorted(i for i in self.visible if i not in self.group_of
+                      and min(self.ever[i].figures.max_blocks, self.model.num_blocks) >= blocks)
         if not pool:
             return
         stages = list(state.group.stages)
         near = {n for s in stages[max(0, index - 1):index + 2] for n in self.known.near.get(s.peer_id, ())}
-        pool.sort(key=lambda p: p.peer_id)
-        chosen = [p for p in pool if p.peer_id in near]
-        chosen += self.rng.sample(pool, min(REPAIR_CANDIDATES, len(pool)))
+        chosen = [self.ever[i] for i in pool if i in near]
+        chosen += [self.ever[i] for i in self.rng.sample(pool, min(REPAIR_CANDIDATES, len(pool)))]
 
         def bottleneck(peer: SimPeer) -> float:
             spans = [(self.ever[s.peer_id].plan_peer, s.end - s.start) for s in stages]
             spans[index] = (peer.plan_peer, blocks)
-            return self.cost.bottleneck(spans, self.view)
+            return self.cost.bottleneck(spans, self.known)
 
         best = min(chosen, key=lambda p: (bottleneck(p), p.peer_id))
         stages[index] = Assignment(best.peer_id, stage.start, stage.end)
-        group = Group(tuple(stages), bottleneck(best))
-        groups = tuple(group if g is state.group else g for g in self.plan.groups)
-        backups = tuple(b for b in self.plan.backups if b != best.peer_id)
-        self.plan = replace(self.plan, version=self.plan.version + 1, groups=groups, backups=backups,
-                            made_at=self.loop.now)
-        state.group, state.rate = group, self._true_rate(group)
+        state.group = Group(tuple(stages), bottleneck(best))
+        state.rate = self._true_rate(state.group)
         if state.recovery is not None and not state.recovery.how:
             state.recovery.how = "backup"
-        state.down.discard(gone)
         del self.group_of[gone]
         self.group_of[best.peer_id] = state
         for other in stages[max(0, index - 1):index + 2]:
             self.known.measure(best.peer_id, other.peer_id)
         self._assign(stages[index], state, 0.0)
-        self._set_rate()
+        self._up(state, gone)
 
     # --- internals --------------------------------------------------------------------------------------------
     def _assign(self, stage: Assignment, state: GroupState, delay: float) -> None:
         """``stage.peer_id`` moves to ``stage``'s span: it learns so after ``delay``, then loads what it lacks."""
-        if stage.peer_id not in self.peers:  # left, not yet detected: it will never load
-            state.down.add(stage.peer_id)
+        peer_id = stage.peer_id
+        self._down(state, peer_id)
+        if peer_id not in self.peers:  # left, not yet detected: it will never load
             return
-        peer = self.ever[stage.peer_id]
-        start, end = self.held.get(stage.peer_id, (0, 0))
+        start, end = self.held.get(peer_id, (0, 0))
         have = max(0, min(end, stage.end) - max(start, stage.start))
-        load = peer.load_s(stage.end - stage.start - have, self.model)
-        self.held[stage.peer_id] = stage.span
-        token = self._token[stage.peer_id] = self._token.get(stage.peer_id, 0) + 1
-        state.down.add(stage.peer_id)
+        load = self.ever[peer_id].load_s(stage.end - stage.start - have, self.model)
+        self.held[peer_id] = stage.span
+        token = self._token[peer_id] = self._token.get(peer_id, 0) + 1
         self.metrics.moves += 1
-        self.loop.after(delay + load, lambda: self._loaded(stage.peer_id, state, token))
+        self.loop.after(delay + load, lambda: self._loaded(peer_id, token))
 
-    def _loaded(self, peer_id: str, state: GroupState, token: int) -> None:
+    def _loaded(self, peer_id: str, token: int) -> None:
+        """``peer_id`` holds its span now (unless it moved again or left since)."""
         if self._token.get(peer_id) != token or peer_id not in self.peers:
             return
-        if peer_id in state.down:
-            state.down.discard(peer_id)
-            if state.working:
-                self._set_rate()
-        if self.group_of.get(peer_id) is not state:  # the peer was re-assigned meanwhile, in a later plan
-            current = self.group_of.get(peer_id)
-            if current is not None and peer_id in current.down and self.held.get(peer_id) == \
-                    next(s.span for s in current.group.stages if s.peer_id == peer_id):
-                current.down.discard(peer_id)
-                self._set_rate()
+        state = self.group_of.get(peer_id)
+        if state is not None and any(s.peer_id == peer_id and s.span == self.held.get(peer_id)
+                                     for s in state.group.stages):
+            self._up(state, peer_id)
 
-    def _set_rate(self) -> None:
-        now = self.loop.now
-        for state in self.groups:
-            if state.working and state.recovery is not None:
-                state.recovery.end = now
+    def _down(self, state: GroupState, peer_id: str) -> None:
+        if state.working:
+            self.achieved -= state.rate
+            self.metrics.rate(self.loop.now, self.achieved)
+        state.down.add(peer_id)
+
+    def _up(self, state: GroupState, peer_id: str) -> None:
+        if peer_id not in state.down:
+            return
+        state.down.discard(peer_id)
+        if state.working:
+            self.achieved += state.rate
+            self.metrics.rate(self.loop.now, self.achieved)
+            if state.recovery is not None:
+                state.recovery.end = self.loop.now
                 state.recovery = None
-        self.metrics.rate(now, sum(state.rate for state in self.groups if state.working))
-        self._close_waiting()
+            self._close_waiting()
 
     def _close_waiting(self) -> None:
+        """A re-plan's recovery ends when its new groups that work make up the lost rate, or all of them work."""
         still = []
         for recovery, waiting in self._waiting:
-            waiting.difference_update({s for s in waiting if s.working})
-            if waiting:
-                still.append((recovery, waiting))
-            else:
+            working = sum(s.rate for s in waiting if s.working)
+            if working >= recovery.lost * (1 - 1e-9) or all(s.working for s in waiting):
                 recovery.end = self.loop.now
+            else:
+                still.append((recovery, waiting))
         self._waiting = still
 
     def _true_rate(self, group: Group) -> float:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+from swarm.links import DEFAULT_BANDWIDTH, DEFAULT_RTT
 from swarm.records import MAX_LINKS
 from swarm.simulation.network import Host
 
@@ -45,6 +46,7 @@ class KnownLinks:
         self.rng, self.link, self.per_peer = rng, link, per_peer
         self.hosts: dict[str, Host] = {}
         self.near: dict[str, set[str]] = {}
+        self.figures: dict[tuple[str, str], tuple[float, float]] = {}  # each measured directed link
         self._by_region: dict[str, _Bag] = {}
         self._by_site: dict[str, _Bag] = {}
 
@@ -70,20 +72,26 @@ class KnownLinks:
             return
         for other in self.near.pop(peer_id, set()):
             self.near[other].discard(peer_id)
+            self.figures.pop((peer_id, other), None)
+            self.figures.pop((other, peer_id), None)
         self._by_region[host.region].remove(peer_id)
         if host.datacenter:
             self._by_site[host.site].remove(peer_id)
 
     def measure(self, a: str, b: str) -> None:
         """``a`` and ``b`` exchanged traffic: their link is known from now on (both directions)."""
-        if a != b and a in self.hosts and b in self.hosts:
+        if a != b and a in self.hosts and b in self.hosts and b not in self.near[a]:
             self.near[a].add(b)
             self.near[b].add(a)
+            self.figures[(a, b)] = self.link(self.hosts[a], self.hosts[b])
+            self.figures[(b, a)] = self.link(self.hosts[b], self.hosts[a])
 
-    def table(self) -> dict[tuple[str, str], tuple[float, float]]:
-        """Every measured directed link with its figures (bits/s, round trip s)."""
-        out: dict[tuple[str, str], tuple[float, float]] = {}
-        for a, others in self.near.items():
-            for b in others:
-                out[(a, b)] = self.link(self.hosts[a], self.hosts[b])
-        return out
+    def __call__(self, a: str, b: str) -> tuple[float, float]:
+        """A ``LinkCost``: the measured ``a -> b``, else ``swarm.links``' defaults."""
+        return self.figures.get((a, b), (DEFAULT_BANDWIDTH, DEFAULT_RTT))
+
+    def table(self, among: set[str] | None = None) -> dict[tuple[str, str], tuple[float, float]]:
+        """The measured directed links (bits/s, round trip s), all or those with both ends ``among``."""
+        if among is None:
+            return dict(self.figures)
+        return {(a, b): self.figures[(a, b)] for a in among for b in self.near.get(a, ()) if b in among}

@@ -20,10 +20,13 @@ def quantile(values: list[float], q: float) -> float | None:
 
 @dataclass
 class Recovery:
-    """A group broken by a departure at ``start``; ``end`` when it works again; ``how``: "backup" (a backup took the
-    leaver's span), "replan" (a re-plan replaced the group) or "" while open."""
+    """A group (of ``lost`` tokens/s) broken by a departure at ``start``; ``end`` when it works again; ``how``:
+    "backup" (a backup took the leaver's span), "replan" (a re-plan dissolved the group: it ends when the re-plan's
+    new groups that work make up ``lost``, or all of them work), "dissolved" (a re-plan dissolved it and made no new
+    group: nothing to wait for, the capacity is lost) or "" while open."""
 
     start: float
+    lost: float = 0.0
     end: float | None = None
     how: str = ""
 
@@ -88,8 +91,9 @@ class Metrics:
         return sum(self._area.values()) / self.now if self.now > 0 else 0.0
 
     def summary(self) -> dict[str, object]:
-        done = [r.seconds for r in self.recoveries if r.seconds is not None]
+        done = [r.seconds for r in self.recoveries if r.seconds is not None and r.how != "dissolved"]
         by_backup = [r.seconds for r in self.recoveries if r.seconds is not None and r.how == "backup"]
+        dissolved = sum(r.how == "dissolved" for r in self.recoveries)
         hours = self.now / 3600 if self.now > 0 else math.nan
         rows = self.series()
         bound_mean = sum(r["bound"] for r in rows) / len(rows) if rows else 0.0
@@ -98,7 +102,8 @@ class Metrics:
             "achieved_mean_tokens_per_s": self.mean_achieved(),
             "bound_mean_tokens_per_s": bound_mean,
             "achieved_over_bound": self.mean_achieved() / bound_mean if bound_mean > 0 else None,
-            "recoveries": len(done), "recoveries_open": len(self.recoveries) - len(done),
+            "departures_breaking_a_group": len(self.recoveries), "recoveries": len(done),
+            "recoveries_open": len(self.recoveries) - len(done) - dissolved, "groups_dissolved": dissolved,
             "recoveries_by_backup": len(by_backup), "recoveries_by_replan": len(done) - len(by_backup),
             "recovery_median_s": quantile(done, 0.5), "recovery_p90_s": quantile(done, 0.9),
             "recovery_by_backup_median_s": quantile(by_backup, 0.5),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from swarm.plan.types import PlanPeer
 from swarm.simulation.devices import CATALOG, DeviceClass, ModelSpec, PeerFigures, figures
@@ -47,7 +48,7 @@ class SimPeer:
     host: Host
     figures: PeerFigures
 
-    @property
+    @cached_property
     def plan_peer(self) -> PlanPeer:
         return PlanPeer(self.peer_id, self.figures.forward_s, self.figures.backward_s, max(1, self.figures.max_blocks))
 
