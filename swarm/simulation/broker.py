@@ -245,6 +245,7 @@ class SimBroker:
         for other in stages[max(0, index - 1):index + 2]:
             self.known.measure(best.peer_id, other.peer_id)
         self._assign(stages[index], state, 0.0)
+        self.metrics.takeovers += 1
         self._up(state, gone)
 
     # --- internals --------------------------------------------------------------------------------------------

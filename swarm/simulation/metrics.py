@@ -46,6 +46,7 @@ class Metrics:
     population: dict[int, int] = field(default_factory=dict)
     recoveries: list[Recovery] = field(default_factory=list)
     moves: int = 0  # peers given a new span (a re-plan's changes and backups taking over)
+    takeovers: int = 0  # of which backups taking a leaver's span
     plans_adopted: int = 0
     plan_seconds: list[float] = field(default_factory=list)  # wall seconds of each make_plan call
     plan_sizes: list[int] = field(default_factory=list)  # peers given to each make_plan call
@@ -107,7 +108,8 @@ class Metrics:
             "recoveries_by_backup": len(by_backup), "recoveries_by_replan": len(done) - len(by_backup),
             "recovery_median_s": quantile(done, 0.5), "recovery_p90_s": quantile(done, 0.9),
             "recovery_by_backup_median_s": quantile(by_backup, 0.5),
-            "moves_per_hour": self.moves / hours, "plans_adopted": self.plans_adopted,
+            "moves_per_hour": self.moves / hours, "takeovers_per_hour": self.takeovers / hours,
+            "plans_adopted": self.plans_adopted,
             "replans": len(self.plan_seconds), "plan_s_median": quantile(self.plan_seconds, 0.5),
             "plan_s_max": max(self.plan_seconds, default=None),
         }

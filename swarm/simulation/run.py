@@ -115,10 +115,10 @@ def simulate(config: SimConfig, progress: Callable[[float], None] | None = None,
             broker.replan_free()
         if progress is not None:
             progress(loop.now)
-        if loop.now + config.replan_s <= config.duration_s:
+        if loop.now + config.replan_s < config.duration_s:
             loop.after(config.replan_s, tick)
 
-    if config.replan_s <= config.duration_s:
+    if config.replan_s < config.duration_s:
         loop.at(config.replan_s, tick)
     loop.run(config.duration_s)
     metrics.advance(config.duration_s)
