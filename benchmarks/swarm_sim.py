@@ -41,7 +41,9 @@ def run(config: SimConfig, label: str) -> SimResult:
     with Progress(TextColumn(f"[bold]{label}"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} s"),
                   TimeElapsedColumn(), console=console) as progress:
         task = progress.add_task(label, total=config.duration_s)
-        return simulate(config, progress=lambda now: progress.update(task, completed=now))
+        result = simulate(config, progress=lambda now: progress.update(task, completed=now))
+        progress.update(task, completed=config.duration_s)
+        return result
 
 
 def estimator_rate(result: SimResult, plan: Plan, micro_batches: int) -> float:

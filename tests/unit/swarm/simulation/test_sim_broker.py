@@ -24,10 +24,10 @@ HOME_3080 = (Kind("rtx3080", 1),)
 def _swarm(count: int, detect_s: float = 31.0, plan_period_s: float = 15.0):
     population = Population(random.Random(7), MODEL, HOME_3080, regions=("eu",))
     peers = [population.draw() for _ in range(count)]
-    hosts = {p.peer_id: p.host for p in peers}
     loop, metrics = EventLoop(), Metrics()
     broker = SimBroker(loop, metrics, MODEL, KnownLinks(random.Random(1), link),
-                       lambda a, b: link(hosts[a], hosts[b]), detect_s=detect_s, plan_period_s=plan_period_s)
+                       lambda a, b: link(broker.ever[a].host, broker.ever[b].host), detect_s=detect_s,
+                       plan_period_s=plan_period_s)
     for peer in peers:
         broker.join(peer)
     return loop, metrics, broker
@@ -87,3 +87,19 @@ def test_a_seed_repeats_a_run_and_another_seed_does_not():
     assert first[2] > 0 and first[3] > 0
     assert run(3) == first
     assert run(4) != first
+
+
+def test_an_incremental_re_plan_groups_joiners_and_keeps_the_running_group():
+    loop, metrics, broker = _swarm(4)
+    plan = broker.replan(warm=True)
+    (group,) = plan.groups
+    rate = metrics.achieved
+    population = Population(random.Random(8), MODEL, HOME_3080, regions=("eu",))
+    for _ in range(4):
+        broker.join(population.draw())
+    assert broker.replan_free() is not None
+    assert broker.plan is not None and len(broker.plan.groups) == 2
+    assert group in broker.plan.groups  # untouched: it kept serving
+    assert metrics.achieved == pytest.approx(rate)  # the new group is loading its spans
+    loop.run(10_000.0)
+    assert metrics.achieved > rate and metrics.moves == 4 and metrics.takeovers == 0
