@@ -18,7 +18,7 @@ from swarm.simulation.devices import MODELS
 from swarm.simulation.events import EventLoop
 from swarm.simulation.measured import KnownLinks
 from swarm.simulation.metrics import Metrics
-from swarm.simulation.network import link
+from swarm.simulation.network import Host, link
 from swarm.simulation.population import HETEROGENEOUS, Kind, Population, SimPeer
 
 
@@ -74,9 +74,9 @@ def simulate(config: SimConfig, progress: Callable[[float], None] | None = None,
                             regions=config.regions, datacenter_rate=config.datacenter_rate)
     churn_rng = random.Random(config.seed + 1)
     loop, metrics = EventLoop(), Metrics(bucket_s=config.bucket_s)
-    hosts: dict[str, object] = {}
+    hosts: dict[str, Host] = {}
     known = KnownLinks(random.Random(config.seed + 2), link)
-    broker = SimBroker(loop, metrics, model, known, lambda a, b: link(hosts[a], hosts[b]),  # type: ignore[arg-type]
+    broker = SimBroker(loop, metrics, model, known, lambda a, b: link(hosts[a], hosts[b]),
                        objective=config.objective, detect_s=config.detect_s, plan_period_s=config.plan_period_s,
                        margin=config.margin, seed=config.seed + 3)
     start = list(initial) if initial is not None else [population.draw() for _ in range(config.peers)]
