@@ -3,7 +3,7 @@
 Moving peers costs (blocks reloaded, sessions replayed), and measurements wobble: a plan that wins by a few percent
 today may lose tomorrow. So the plan in force is re-priced with today's measurements (its spans as they are) and a
 candidate replaces it only if it beats that by ``margin``, or if the plan in force no longer works (a stage's peer
-is gone, its span no longer fits the peer's memory, or it is for another model size or objective).
+is gone, its span no longer fits the peer's memory, or it is for another model, run or objective).
 """
 
 from __future__ import annotations
@@ -42,11 +42,13 @@ def reprice(plan: Plan, peers: Sequence[PlanPeer], links: LinkCost, *, shape: Mo
 def should_adopt(current: Plan | None, candidate: Plan, peers: Sequence[PlanPeer], links: LinkCost,
                  margin: float = MARGIN, *, shape: ModelShape, message_tokens: int = MESSAGE_TOKENS) -> bool:
     """True if ``candidate`` should replace ``current``: there is none, it no longer works (``reprice`` is None),
-    it has no group, it is for another objective, or the candidate's tokens/s exceeds the current plan's re-priced
-    tokens/s by more than ``margin`` (0.15: 15 %). ``peers``, ``links``: today's snapshot; ``shape``: the model's."""
+    it has no group, it is for another model, run or objective, or the candidate's tokens/s exceeds the current
+    plan's re-priced tokens/s by more than ``margin`` (0.15: 15 %). ``peers``, ``links``: today's snapshot;
+    ``shape``: the model's."""
     if margin < 0:
         raise ValueError(f"margin must be >= 0, got {margin}")
-    if current is None or current.objective != candidate.objective or not current.groups:
+    if (current is None or not current.groups or current.objective != candidate.objective
+            or current.model != candidate.model or current.run_id != candidate.run_id):
         return True
     today = reprice(current, peers, links, shape=shape, message_tokens=message_tokens)
     if today is None:

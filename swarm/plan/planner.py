@@ -1,11 +1,14 @@
 """``make_plan``: a snapshot of peers and links in, a ``Plan`` out (pure, deterministic).
 
-Grouping (``grouping``) picks the peers of each pipeline group, ``ordering`` orders and cuts each one; peers no group
-uses are the backups. Given the plan in force (``current``), the planner also prices a plan that keeps every
-current group still whole (its peers in the same order, its cut re-optimised, spans kept where that costs nothing),
+Grouping (``grouping``) picks the peers of each pipeline group, ``ordering`` orders and cuts each one; peers no
+group uses are the backups. Peers a cut leaves out get another grouping round (the groups so far kept) until no new
+group forms, so a plan is its own fixpoint: replanning an unchanged swarm with it moves nobody.
+
+Given the plan in force (``current``), the planner also prices a plan that keeps every current group still whole
+(its peers in the same order, its cut re-optimised, spans kept where that costs nothing; newcomers may join it),
 with the other peers grouped afresh, and returns it unless the fresh plan is faster by more than ``keep_margin``
-(5 %): peers stay where they are when moving them buys little (moves cost: blocks reload, sessions replay). Whether
-to switch to the result at all is ``hysteresis.should_adopt``'s call.
+(5 %): peers stay where they are when moving them buys little (moves cost: blocks reload, sessions replay).
+Whether to switch to the result at all is ``hysteresis.should_adopt``'s call.
 """
 
 from __future__ import annotations
@@ -14,12 +17,13 @@ from collections.abc import Sequence
 
 from swarm.estimator.inputs import ModelShape
 from swarm.plan.costs import MESSAGE_TOKENS, CostModel
-from swarm.plan.grouping import group_peers
+from swarm.plan.grouping import LinkGraph, group_peers, link_graph
 from swarm.plan.linkview import LinkView, as_link_view
 from swarm.plan.ordering import order_group
 from swarm.plan.partition import Partition, partition
 from swarm.plan.types import LinkCost, Plan, PlanPeer
 
+ROUNDS = 3  # extra groupings of the peers a round left out
 KEEP_MARGIN = 0.05  # a fresh plan replaces the current groups only when that much faster (moves cost)
 
 
@@ -40,9 +44,10 @@ def make_plan(peers: Sequence[PlanPeer], num_blocks: int, links: LinkView | Link
     cost = CostModel(shape, objective, message_tokens)
     view = as_link_view(links, [p.peer_id for p in peers])
     rank, prefer = _places(current)
-    groups, backups = _fresh(peers, num_blocks, view, cost, rank, prefer)
+    graph = link_graph([p.peer_id for p in peers], view, cost)
+    groups, backups = _fresh(peers, num_blocks, view, cost, graph, rank, prefer)
     if current is not None and current.num_blocks == num_blocks and current.groups:
-        kept, kept_backups = _keeping(current, peers, num_blocks, view, cost, rank, prefer)
+        kept, kept_backups = _keeping(current, peers, num_blocks, view, cost, graph, rank, prefer)
         if _rate(groups) <= _rate(kept) * (1 + keep_margin) * (1 + 1e-12):
             groups, backups = kept, kept_backups
     ordered = sorted(groups, key=lambda g: (g.seconds_per_token, g.spans[0][0].peer_id))
@@ -65,25 +70,49 @@ def _places(current: Plan | None) -> tuple[dict[str, tuple], dict[str, int]]:
     return rank, prefer
 
 
-def _fresh(peers: Sequence[PlanPeer], num_blocks: int, view: LinkView, cost: CostModel, rank: dict[str, tuple],
-           prefer: dict[str, int], kept: Sequence[Sequence[str]] = ()) -> tuple[list[Partition], list[PlanPeer]]:
-    grouping = group_peers(peers, num_blocks, view, cost, kept=kept)
+def _round(peers: Sequence[PlanPeer], num_blocks: int, view: LinkView, cost: CostModel, graph: LinkGraph,
+           rank: dict[str, tuple], prefer: dict[str, int], kept: Sequence[Partition], settled: frozenset[str]
+           ) -> tuple[list[Partition], list[PlanPeer]]:
+    """One grouping: ``kept`` groups first (recut with the newcomers that join them), new groups, backups."""
+    grouping = group_peers(peers, num_blocks, view, cost, kept=[[p.peer_id for p in k.peers] for k in kept],
+                           settled=settled, graph=graph)
     groups: list[Partition] = []
     backups = list(grouping.backups)
+    for cut, joined in zip(kept, grouping.joined, strict=True):
+        best = order_group([*cut.peers, *joined], num_blocks, view, cost, rank=rank, prefer=prefer) if joined else cut
+        groups.append(best if best is not None and best.seconds_per_token < cut.seconds_per_token else cut)
+        backups.extend(joined if groups[-1] is cut else best.unused)
     for members in grouping.groups:
-        best = order_group(members, num_blocks, view, cost, rank=rank, prefer=prefer)
-        if best is None:
+        found = order_group(members, num_blocks, view, cost, rank=rank, prefer=prefer)
+        if found is None:
             backups.extend(members)
             continue
-        groups.append(best)
-        backups.extend(best.unused)
+        groups.append(found)
+        backups.extend(found.unused)
+    return groups, backups
+
+
+def _fresh(peers: Sequence[PlanPeer], num_blocks: int, view: LinkView, cost: CostModel, graph: LinkGraph,
+           rank: dict[str, tuple], prefer: dict[str, int], kept: Sequence[Partition] = (),
+           settled: frozenset[str] = frozenset()) -> tuple[list[Partition], list[PlanPeer]]:
+    """Groups and backups; then, while the peers that groups left out (or could not use) can form new groups among
+    themselves, another round with every group so far kept (at most ``ROUNDS``): a plan is its own fixpoint, so
+    replanning an unchanged swarm changes nothing."""
+    groups, backups = _round(peers, num_blocks, view, cost, graph, rank, prefer, kept, settled)
+    everyone = frozenset(p.peer_id for p in peers)
+    for _ in range(ROUNDS):
+        again, spare = _round(peers, num_blocks, view, cost, graph, rank, prefer, groups, everyone)
+        if len(again) == len(groups):
+            break
+        groups, backups = again, spare
     return groups, backups
 
 
 def _keeping(current: Plan, peers: Sequence[PlanPeer], num_blocks: int, view: LinkView, cost: CostModel,
-             rank: dict[str, tuple], prefer: dict[str, int]) -> tuple[list[Partition], list[PlanPeer]]:
-    """Every current group whose peers are all still here, in its order (cut anew), then the others grouped around
-    them (``group_peers``' ``kept``)."""
+             graph: LinkGraph, rank: dict[str, tuple], prefer: dict[str, int]
+             ) -> tuple[list[Partition], list[PlanPeer]]:
+    """Every current group whose peers are all still here, in its order (cut anew; newcomers may join it), then the
+    others grouped around them (``group_peers``' ``kept``)."""
     by_id = {p.peer_id: p for p in peers}
     kept: list[Partition] = []
     for group in current.groups:
@@ -91,8 +120,6 @@ def _keeping(current: Plan, peers: Sequence[PlanPeer], num_blocks: int, view: Li
         if not all(i in by_id for i in ids):
             continue
         cut = partition([by_id[i] for i in ids], num_blocks, view, cost, prefer=prefer)
-        if cut is None:
-            continue
-        kept.append(cut)
-    groups, backups = _fresh(peers, num_blocks, view, cost, rank, prefer, [[p.peer_id for p in k.peers] for k in kept])
-    return kept + groups, backups
+        if cut is not None:
+            kept.append(cut)
+    return _fresh(peers, num_blocks, view, cost, graph, rank, prefer, kept, frozenset(current.peers))

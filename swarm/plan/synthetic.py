@@ -49,11 +49,12 @@ DEFAULT_SITES = (Site(0.4, 10e9, 0.001), Site(0.3, 1e9, 0.005), Site(0.2, 100e6,
 
 
 def synthetic_swarm(n: int, num_blocks: int, *, seed: int = 0, sites: tuple[Site, ...] = DEFAULT_SITES,
-                    links_per_peer: int = 8, outside: float = 0.1, between: tuple[float, float] = (50e6, 0.04)
-                    ) -> Swarm:
-    """``n`` peers spread over ``sites``; memory from 2 blocks to the whole model (log-uniform), compute 1-20 ms
-    per token per block forward (backward 2x); each peer measures ``links_per_peer`` random links, a fraction
-    ``outside`` of them to another site (at ``between`` = (bits/s, rtt)), measured values within +-10 %."""
+                    links_per_peer: int = 8, outside: float = 0.1, between: tuple[float, float] = (50e6, 0.04),
+                    forward: tuple[float, float] = (0.001, 0.02)) -> Swarm:
+    """``n`` peers spread over ``sites``; memory from 2 blocks to the whole model (log-uniform), compute
+    ``forward`` seconds per token per block (log-uniform between the two; backward 2x); each peer measures
+    ``links_per_peer`` random links, a fraction ``outside`` of them to another site (at ``between`` = (bits/s,
+    rtt)), measured values within +-10 %."""
     rng = random.Random(seed)
     ids = [peer_id(i) for i in range(n)]
     weights = [s.share for s in sites]
@@ -64,8 +65,8 @@ def synthetic_swarm(n: int, num_blocks: int, *, seed: int = 0, sites: tuple[Site
     peers = []
     for pid in ids:
         memory = max(2, min(num_blocks, round(2 * (num_blocks / 2) ** rng.random())))
-        forward = 0.001 * 20 ** rng.random()
-        peers.append(PlanPeer(pid, forward, 2 * forward, memory))
+        seconds = forward[0] * (forward[1] / forward[0]) ** rng.random()
+        peers.append(PlanPeer(pid, seconds, 2 * seconds, memory))
     links: dict[tuple[str, str], tuple[float, float]] = {}
     for pid in ids:
         home = members[site_of[pid]]

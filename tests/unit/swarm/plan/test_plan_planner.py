@@ -4,7 +4,10 @@ the planner's input from records (``plan_peers``, ``link_view_from_records`` agr
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -132,6 +135,7 @@ def test_should_adopt_when_the_current_plan_no_longer_works():
     assert should_adopt(current, current, smaller, LinkView({}), shape=SHAPE)
     assert should_adopt(current, dataclasses.replace(current, objective="inference"), peers, LinkView({}),
                         shape=SHAPE)
+    assert should_adopt(current, dataclasses.replace(current, model="other"), peers, LinkView({}), shape=SHAPE)
     with pytest.raises(ValueError, match="margin"):
         should_adopt(current, current, peers, LinkView({}), margin=-0.1, shape=SHAPE)
 
@@ -179,3 +183,14 @@ def test_link_view_from_records_answers_as_link_between():
     assert view(peer_id(1), peer_id(3)) == (DEFAULT_BANDWIDTH, 0.03)  # only the round trip was measured
     assert view.neighbours(peer_id(3)) == (peer_id(1), peer_id(4), peer_id(5))
     assert view.neighbours(peer_id(2)) == (peer_id(1),)
+
+
+def test_the_plan_does_not_depend_on_the_hash_seed():
+    # sets of peer ids iterate in an order that changes with PYTHONHASHSEED: the plan must not
+    script = ("import hashlib, json; from swarm.estimator import ModelShape; from swarm.plan import make_plan; "
+              "from swarm.plan.synthetic import synthetic_swarm; s = synthetic_swarm(200, 16, seed=4); "
+              "p = make_plan(list(s.peers), 16, s.links, shape=ModelShape(2048, 16, 2), model='m', version=1); "
+              "print(hashlib.sha256(json.dumps(p.to_wire(), sort_keys=True).encode()).hexdigest())")
+    outputs = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                              env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    assert len(outputs) == 1
