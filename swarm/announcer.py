@@ -62,6 +62,11 @@ class Announcer:
         if wake:
             self._wake.set()
 
+    async def publish(self, **changes) -> None:
+        """Change fields of the record and store it now, awaited (a peer that moved: clients re-fetch at once)."""
+        self.record = dataclasses.replace(self.record, **changes)
+        await self._announce_once()
+
     async def stop(self, final_state: PeerState = PeerState.OFFLINE) -> None:
         """Stop the heartbeat and announce ``final_state`` (it expires like any record), so others learn we left."""
         if self._task is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import heapq
 import logging
 import time
@@ -97,6 +98,13 @@ class Hop:
     end: int
 
 
+def _same_kind(records: list[PeerRecord], kept: list[PeerRecord]) -> list[PeerRecord]:
+    """``kept`` as the same kind of list as ``records`` (a discovery ``Snapshot`` keeps its ``sealed`` count)."""
+    result = copy.copy(records)
+    result[:] = kept
+    return result
+
+
 def make_chain(
     records: Iterable[PeerRecord],
     start: int,
@@ -152,6 +160,7 @@ def make_chain(
 
 
 GRACE_POLL = 0.5  # seconds between snapshots while waiting for a span's peers to reappear
+MOVED_MEMORY = 60.0  # seconds a moved peer's stale record (still naming the span it left) is ignored
 
 
 @dataclass(frozen=True)
@@ -195,13 +204,35 @@ class Router:
         self.links = LinkTable(clock=lambda: time.monotonic())  # the client's streams add samples (passive)
         self._bans: dict[str, Ban] = {}
         self._busy: dict[str, tuple[float, str]] = {}  # peer -> (busy until, its refusal)
+        self._moved: dict[str, tuple[int, int, float]] = {}  # peer -> the span it left, until when to remember it
 
     async def refresh(self, force: bool = False) -> list[PeerRecord]:
         if force or time.monotonic() - self._fetched_at > self.refresh_period:
-            self.records = await self._fetch()
-            self.sealed = getattr(self.records, "sealed", 0)
+            records = await self._fetch()
+            self.sealed = getattr(records, "sealed", 0)
+            self.records = self.without_moved(records)
             self._fetched_at = time.monotonic()
         return self.records
+
+    def on_moved(self, peer_id: str, start: int, end: int, error: BaseException | None = None) -> None:
+        """``peer_id`` refused blocks ``[start, end)`` because it serves another span now (``moved:``): not a
+        failure, no ban. Its records that still cover that span are stale (the DHT may hold the old one for a
+        moment) and are ignored for ``MOVED_MEMORY`` seconds; the next route re-fetches the swarm."""
+        self._moved[peer_id] = (start, end, time.monotonic() + MOVED_MEMORY)
+        self.records = self.without_moved(self.records)
+        self._fetched_at = -float("inf")
+        logger.info("Peer %s moved off blocks %d:%d; routing them elsewhere (no ban): %s", short_id(peer_id), start,
+                    end, error)
+
+    def without_moved(self, records: list[PeerRecord]) -> list[PeerRecord]:
+        """``records`` less the stale ones of peers that refused a span they still claim (``on_moved``)."""
+        now = time.monotonic()
+        self._moved = {p: m for p, m in self._moved.items() if m[2] > now}
+        if not self._moved:
+            return records
+        kept = [r for r in records if r.peer_id not in self._moved
+                or not r.start <= self._moved[r.peer_id][0] < self._moved[r.peer_id][1] <= r.end]
+        return _same_kind(records, kept)
 
     def banned(self) -> set[str]:
         now = time.monotonic()

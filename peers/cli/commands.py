@@ -55,6 +55,15 @@ def _parser() -> argparse.ArgumentParser:
     blocks = peer.add_mutually_exclusive_group(required=True)
     blocks.add_argument("--block_indices", type=block_indices, help="serve blocks START:END, e.g. 0:4")
     blocks.add_argument("--num_blocks", type=int, help="serve N blocks, where the swarm is weakest")
+    blocks.add_argument("--backup", action="store_true",
+                        help="start as a backup: measure, join, probe links and announce BACKUP with no blocks loaded, "
+                             "ready to take a place (`swarm move`, or the swarm's plan)")
+    peer.add_argument("--max_blocks", type=int, default=None,
+                      help="blocks this peer can hold, announced for plans (default: what free memory holds)")
+    peer.add_argument("--no_follow", dest="follow_plans", action="store_false",
+                      help="never move this peer when the swarm's plan changes (operator opt-out)")
+    peer.add_argument("--control_socket", type=Path, default=None,
+                      help="a local unix socket (mode 0600) taking `move START:END` and `backup` lines (`swarm move`)")
     peer.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     peer.add_argument("--num_threads", type=int, default=None,
                       help="CPU threads for torch (default: torch's); use 1 when several peers share a CPU")
@@ -86,6 +95,13 @@ def _parser() -> argparse.ArgumentParser:
     peer.add_argument("--checkpoint_dir", type=Path, default=None,
                       help="training: save our blocks' weights + AdamW state here, and resume from them")
     peer.set_defaults(func=_cmd_peer)
+
+    move = sub.add_parser("move", help="move a running peer on this machine to other blocks, or make it a backup "
+                                       "(through its --control_socket)")
+    move.add_argument("span", help="START:END to serve those blocks, `backup` to stop serving, `status` to ask")
+    move.add_argument("--control_socket", type=Path, required=True, help="the peer's --control_socket")
+    move.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the move (default 600)")
+    move.set_defaults(func=_cmd_move)
 
     status = sub.add_parser("status", help="who is online, which blocks they serve, what is missing")
     status.add_argument("model", help="model folder or model name")
@@ -163,7 +179,8 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir, cache_tokens=args.cache_tokens, session_timeout=args.session_timeout,
         client_cache_share=args.client_cache_share, cache_wait=args.cache_wait,
         require_encryption=not args.allow_plaintext, trainers=parse_trainers(args.trainers),
-        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_dir=args.checkpoint_dir, backup=args.backup, max_blocks=args.max_blocks,
+        follow_plans=args.follow_plans, control_socket=args.control_socket,
     )
     if args.num_threads:
         import torch
@@ -172,6 +189,20 @@ def _cmd_peer(args: argparse.Namespace) -> int:
     server = StageServer(config)
     _run_until_signal(server.run)
     return 0
+
+
+def _cmd_move(args: argparse.Namespace) -> int:
+    from peers.server.control import send_command
+
+    span = args.span.strip()
+    line = span if span in ("backup", "status") else f"move {span}"
+    try:
+        answer = send_command(args.control_socket, line, timeout=args.timeout)
+    except OSError as e:
+        raise ValueError(f"could not reach the peer's control socket {args.control_socket}: {e} (is the peer running "
+                         f"with --control_socket {args.control_socket}?)") from None
+    print(answer, flush=True)
+    return 0 if answer.startswith("ok") else 1
 
 
 def _cmd_status(args: argparse.Namespace) -> int:

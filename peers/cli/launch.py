@@ -26,6 +26,7 @@ from privacy.membership import SwarmOwner
 from privacy.peer_ids import peer_id_of
 
 READY_PEER = re.compile(r"Serving blocks (\d+):(\d+) of \S+ as peer (\w+)")
+READY_BACKUP = re.compile(r"Backup peer (\w+) of \S+ ready")
 READY_DHT = re.compile(r"--initial_peers (.+)$", re.MULTILINE)
 LOOPBACK = "127.0.0.1"
 
@@ -49,7 +50,7 @@ class SwarmProcess:
     """One ``swarm ...`` subprocess whose output goes to a log file (inside network namespace ``netns`` if given)."""
 
     def __init__(self, args: Sequence[str], log_path: Path, name: str, netns: str | None = None) -> None:
-        self.name, self.log_path, self.netns = name, Path(log_path), netns
+        self.name, self.log_path, self.netns, self.args = name, Path(log_path), netns, tuple(args)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.popen = subprocess.Popen(
@@ -194,7 +195,8 @@ class LocalSwarm:
         ``--host_maddrs``)."""
         if not self.initial_peers:
             raise RuntimeError("call start_dht() first")
-        blocks = ["--block_indices", block_indices] if block_indices else ["--num_blocks", str(num_blocks)]
+        blocks = ["--block_indices", block_indices] if block_indices else \
+            ["--num_blocks", str(num_blocks)] if num_blocks is not None else []  # none: --backup in extra
         if trainers is None:
             trainers = self.trainer_id() if self.train else ""
         args = [
@@ -211,6 +213,10 @@ class LocalSwarm:
 
     @staticmethod
     def wait_ready(proc: SwarmProcess, timeout: float = 120.0) -> tuple[int, int, str]:
+        """Wait for a peer's ready line: its span and peer id (a backup's span is (0, 0): it serves none)."""
+        if "--backup" in proc.args:
+            proc.blocks, proc.peer_id = (0, 0), proc.wait_for(READY_BACKUP, timeout).group(1)
+            return 0, 0, proc.peer_id
         match = proc.wait_for(READY_PEER, timeout)
         proc.blocks = (int(match.group(1)), int(match.group(2)))
         proc.peer_id = match.group(3)

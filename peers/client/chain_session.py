@@ -23,8 +23,8 @@ import torch
 
 from peers.client.inference_session import InferenceSession, SpanSession
 from peers.client.node import ClientNode
-from peers.client.retry import backoff
-from peers.wire.errors import ChainError, RequestError
+from peers.client.retry import backoff, classify, report_failure
+from peers.wire.errors import ChainError, MovedError, RequestError
 from peers.wire.stream import LIVENESS_TIMEOUT
 from privacy.errors import MembershipError
 from privacy.peer_ids import short_id
@@ -111,7 +111,10 @@ class ChainSession(InferenceSession):
             error = future.exception()
             if error is None or failure is not None:
                 continue
-            if isinstance(error, (MembershipError, RequestError)):  # a refusal with a reason: final, as in the star
+            if isinstance(error, RequestError):
+                error = classify(error)
+            if isinstance(error, (MembershipError, RequestError)) and not isinstance(error, MovedError):
+                # a refusal with a reason: final, as in the star (a peer that moved is replaced, without a ban)
                 self._drop(pending)
                 raise error
             if isinstance(error, ChainError):
@@ -147,7 +150,7 @@ class ChainSession(InferenceSession):
         router, config = self.client.router, self.client.config
         lo = hi = index
         failed = self.hops[index]
-        router.on_failure(failed.peer_id, error, started=started)
+        report_failure(router, failed.peer_id, error, (failed.start, failed.end), started)
         while True:
             for hop in self.hops[lo : hi + 1]:
                 hop.abandon()
@@ -173,14 +176,15 @@ class ChainSession(InferenceSession):
             except _SourceFailed as e:  # the hop that kept the outputs is gone too: replace it as well
                 await self._close(replacement)
                 assert up is not None
-                router.on_failure(up.peer_id, e.error)
+                report_failure(router, up.peer_id, e.error, (up.start, up.end))
                 logger.info("Chain: peer %s could not replay into the replacement (%s): it is replaced too",
                             short_id(up.peer_id), e.error)
                 lo, failures, error = lo - 1, failures + 1, e.error
                 continue
             except _HopFailed as e:  # a replacement failed: choose again
                 await self._close(replacement)
-                router.on_failure(replacement[e.index].peer_id, e.error)
+                hop = replacement[e.index]
+                report_failure(router, hop.peer_id, e.error, (hop.start, hop.end))
                 failures, error = failures + 1, e.error
                 continue
             for hop in self.hops[lo : hi + 1]:

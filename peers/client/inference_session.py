@@ -6,7 +6,8 @@ sessions there. The client remembers every input it sent to a hop (its history);
 session bans it, routes the hop's blocks to other peers and replays the history there to rebuild the
 cache, so greedy generation continues with the same tokens.
 
-Refusals are not failures: a peer with no room for a session (``CapacityError``) is only marked busy and the
+Refusals are not failures: a peer that moved to another span (``MovedError``) is routed around without a ban and the
+session replayed elsewhere; a peer with no room for a session (``CapacityError``) is only marked busy and the
 session tries another or waits for it; a peer that refuses us as no member (``NotAdmittedError``, or a
 ``MembershipError`` when the stream is opened) is final and raised at once: every member answers the same.
 """
@@ -22,9 +23,9 @@ from collections.abc import Awaitable
 import torch
 
 from peers.client.node import ClientNode
-from peers.client.retry import backoff, classify, is_final
+from peers.client.retry import backoff, classify, is_final, report_failure
 from peers.core.chunks import first_tokens
-from peers.wire.errors import CapacityError, RequestError
+from peers.wire.errors import CapacityError, MovedError, RequestError
 from peers.wire.messages import InferenceOpen, InferenceRelink, InferenceReplay
 from peers.wire.stream import PeerStream
 from privacy.errors import MembershipError
@@ -187,6 +188,10 @@ class InferenceSession:
             started = time.monotonic()
             try:
                 out = await hop.step(x)
+            except MovedError as e:  # the peer serves another span now: replay elsewhere, no ban
+                failures += 1
+                await self._replace(index, e, failures, started)
+                continue
             except (RequestError, MembershipError):  # refused with a reason, or as no member: final
                 raise
             except Exception as e:
@@ -222,7 +227,7 @@ class InferenceSession:
         """Ban the failed hop's peer (once per failure event: its other sessions see the same one), route its
         blocks elsewhere and replay its history there."""
         failed = self.hops[index]
-        self.client.router.on_failure(failed.peer_id, error, started=started)
+        report_failure(self.client.router, failed.peer_id, error, (failed.start, failed.end), started)
         failed.abandon()
         if failures > self.client.config.max_retries:
             raise RuntimeError(
@@ -271,8 +276,8 @@ class InferenceSession:
                 if isinstance(result, CapacityError):
                     router.on_busy(hop.peer_id, result)
                     refused[hop.peer_id] = str(result)
-                else:
-                    router.on_failure(hop.peer_id, result, started=started)
+                else:  # a peer that moved off the span is only routed around (no ban)
+                    report_failure(router, hop.peer_id, result, (hop.start, hop.end), started)
             if all(isinstance(r, CapacityError) for _, r in failed):  # not a failure: try others, or wait
                 if time.monotonic() >= deadline:
                     raise router.unavailable_error(start, end, refused)

@@ -15,13 +15,13 @@ from hivemind.proto import runtime_pb2
 from peers.client.chain_session import ChainSession
 from peers.client.generation import SamplingConfig, generate_stream
 from peers.client.inference_session import InferenceSession
-from peers.client.retry import backoff, classify
+from peers.client.retry import backoff, classify, report_failure
 from peers.core.access import load_admission, load_identity
 from peers.core.aio import BackgroundLoop
 from peers.core.config import ClientConfig, SwarmConfig
 from peers.core.ids import DTYPES
 from peers.model import ModelConfig, load_blocks, load_client_parts
-from peers.wire.errors import RequestError
+from peers.wire.errors import MovedError, RequestError
 from peers.wire.links import PeerLinks
 from peers.wire.messages import InfoRequest, StageInfo
 from peers.wire.service import StageService
@@ -215,8 +215,14 @@ class SwarmClient:
                 started = time.monotonic()
                 try:
                     hidden = await self.call_forward(hop.peer_id, hidden, hop.start, hop.end)
-                except (RequestError, MembershipError, NoRouteError):
-                    raise
+                except (RequestError, MembershipError, NoRouteError) as e:
+                    if not isinstance(e, MovedError):  # a peer that moved: re-route without a ban (below)
+                        raise
+                    failures += 1
+                    report_failure(self.router, hop.peer_id, e, (hop.start, hop.end), started)
+                    if failures > self.config.max_retries:
+                        raise
+                    break
                 except Exception as e:
                     failures += 1
                     self.router.on_failure(hop.peer_id, e, started=started)

@@ -97,15 +97,31 @@ class StageServerConfig:
     require_encryption: bool = True  # refuse inference streams that skip the handshake (plaintext tensors)
     trainers: tuple[str, ...] = ()  # who may train (and so change) the served weights: peer ids, "members", "anyone"
     checkpoint_dir: Path | None = None  # training: save/resume weights + AdamW state of our blocks here
+    # moves (``StageServer.move_to`` / ``become_backup``): start as a backup (no blocks, ready to take a place),
+    # the blocks memory holds (announced; None: from free memory), whether a plan's follower may move this peer,
+    # and a local unix socket that takes `move START:END` / `backup` lines from this machine's user
+    backup: bool = False
+    max_blocks: int | None = None
+    follow_plans: bool = True
+    control_socket: Path | None = None
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"{self.model_dir} has no config.json: pass a Hugging Face model folder")
-        if (self.block_indices is None) == (self.num_blocks is None):
-            raise ValueError("pass exactly one of --block_indices START:END or --num_blocks N")
+        if self.backup and (self.block_indices is not None or self.num_blocks is not None):
+            raise ValueError("--backup starts with no blocks: drop --block_indices / --num_blocks")
+        if not self.backup and (self.block_indices is None) == (self.num_blocks is None):
+            raise ValueError("pass exactly one of --block_indices START:END or --num_blocks N (or --backup)")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError("--num_blocks must be >= 1")
+        if self.max_blocks is not None:
+            serving = self.num_blocks or (self.block_indices[1] - self.block_indices[0] if self.block_indices else 0)
+            if not 1 <= self.max_blocks or self.max_blocks < serving:
+                raise ValueError(f"--max_blocks {self.max_blocks} must be >= 1 and at least the {serving} block(s) "
+                                 f"this peer serves")
+        if self.control_socket is not None:
+            self.control_socket = Path(self.control_socket)
         if self.torch_dtype not in (*DTYPES, "auto"):
             raise ValueError(f"--torch_dtype must be one of {[*DTYPES, 'auto']}, got {self.torch_dtype!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

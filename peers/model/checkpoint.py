@@ -146,3 +146,8 @@ def load_client_parts(
 
 def _tied_key(cfg: ModelConfig) -> str:
     return "embed_tokens.weight" if cfg.family == "llama" else "wte.weight"
+
+
+def block_class(config: ModelConfig) -> type[nn.Module]:
+    """The block class of ``config``'s family (``LlamaBlock``, ``GPT2Block``), built as ``cls(config, layer_idx)``."""
+    return _BLOCKS[config.family]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -61,6 +62,7 @@ class StageBackend:
         self._batch_number = itertools.count(1)
         self.batches_run = 0  # for tests and the status page
         self.inference_steps = self.inference_batches = 0
+        self.in_flight = 0  # forwards and steps submitted and not answered yet
 
     async def launch(self) -> None:
         """Start the batching loop (call from the serving event loop)."""
@@ -88,9 +90,21 @@ class StageBackend:
                      session.owner)
         return await self._submit(task)
 
+    async def drain(self, timeout: float) -> bool:
+        """Wait until every forward and step submitted so far is answered (at most ``timeout`` s): a peer that moved
+        lets the work of its old span finish before it frees the blocks. True if it did."""
+        give_up = time.monotonic() + timeout
+        while self.in_flight and time.monotonic() < give_up:
+            await asyncio.sleep(0.05)
+        return not self.in_flight
+
     async def _submit(self, task: _Task) -> torch.Tensor:
-        await self._queue.put(task)
-        return await task.future
+        self.in_flight += 1
+        try:
+            await self._queue.put(task)
+            return await task.future
+        finally:
+            self.in_flight -= 1
 
     async def _run(self) -> None:
         pending: list[_Task] = []

@@ -27,7 +27,7 @@ from peers.server.backend import StageBackend
 from peers.server.calls import Call, Deferred, Responses, StreamCalls, defer, elapsed_ms, reply, tensor_reply
 from peers.server.inbox import Inbox
 from peers.server.kv_sessions import Session, SessionRegistry
-from peers.wire.errors import RequestError
+from peers.wire.errors import MovedError, RequestError
 from peers.wire.messages import (
     InferencePush,
     InferenceRelink,
@@ -176,6 +176,8 @@ class ChainCalls(StreamCalls):
     def _accept(self, pusher: str, session_id: str, position: int, part: torch.Tensor) -> str:
         session = self.sessions.sessions.get(session_id)
         if session is None:
+            if moved := self.sessions.moved.get(session_id):
+                return moved
             return f"session {session_id!r} is not open on this peer (closed, expired or never opened)"
         if session.upstream != pusher:
             named = f"peer {short_id(session.upstream)}" if session.upstream else "itself"
@@ -191,6 +193,11 @@ class ChainCalls(StreamCalls):
         except RequestError as e:
             return str(e)
         return ""
+
+    def retire(self, refusal: str) -> None:
+        """This peer moved off our span: every step still waiting for a push gets ``refusal`` now (a step already
+        computing finishes)."""
+        self.inbox.fail(lambda key: True, refusal)
 
     def _closed(self, session_id: str) -> None:
         self.inbox.fail(lambda key: key[0] == session_id, f"session {session_id!r} was closed")
@@ -224,6 +231,8 @@ class ChainCalls(StreamCalls):
         becomes the session's downstream."""
         session = call.stream.owned.get(request.session_id)
         try:
+            if session is not None and session.moved:
+                raise MovedError(session.moved)
             if session is None or self.sessions.sessions.get(request.session_id) is not session:
                 raise RequestError(f"session {request.session_id!r} is not open on this stream")
             if not request.downstream or not 1 <= len(request.downstream_session) <= 64:

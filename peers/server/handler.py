@@ -16,7 +16,7 @@ from peers.server.chain_calls import StreamFor
 from peers.server.kv_sessions import SessionRegistry
 from peers.server.stream_handler import StreamHandler
 from peers.server.training_rpc import TrainingRPC
-from peers.wire.errors import RequestError
+from peers.wire.errors import MovedError, RequestError, moved_refusal
 from peers.wire.messages import InfoRequest, StageInfo
 from peers.wire.service import INFERENCE_HANDLE, StageService
 from privacy.admission import Admission, caller_key, proof_context
@@ -30,7 +30,7 @@ class StageHandler(StageService):
     """Serves one ``StageBackend`` over hivemind P2P. Bad requests get a reply that says what is wrong."""
 
     def __init__(
-        self, backend: StageBackend, info: StageInfo, sessions: SessionRegistry, *, request_timeout: float,
+        self, backend: StageBackend | None, info: StageInfo, sessions: SessionRegistry, *, request_timeout: float,
         identity: Identity, require_encryption: bool = True, admission: Admission | None = None,
         training: TrainingRPC | None = None, stream_for: StreamFor | None = None,
     ) -> None:
@@ -41,6 +41,14 @@ class StageHandler(StageService):
                                       identity=identity, require_encryption=require_encryption,
                                       admission=self.admission, training=training, stream_for=stream_for)
         self.training = training
+        self.left: tuple[int, int] | None = None  # the span this peer served before its last move
+
+    def switch(self, backend: StageBackend | None, info: StageInfo, sessions: SessionRegistry,
+               training: TrainingRPC | None, *, left: tuple[int, int], unserved: str = "") -> None:
+        """Serve ``info``'s span from the next request on (``backend`` None: a backup, which refuses with
+        ``unserved``); requests for span ``left`` get a ``moved:`` refusal (``peers.server.stage_server``)."""
+        self.backend, self.info, self.sessions, self.training, self.left = backend, info, sessions, training, left
+        self.inference.switch(backend, info, sessions, training, unserved)
 
     async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertInfo:
         try:
@@ -50,10 +58,12 @@ class StageHandler(StageService):
         except ValueError as e:  # MembershipError is one
             logger.info("rpc_info(peer=%s) refused: %s", _short(context), e)
             raise RequestError(f"rpc_info refused: {e}") from None
+        backend = self.backend
         info = dataclasses.replace(
             self.info, cache_tokens_free=self.sessions.tokens_free, sessions=len(self.sessions.sessions),
             opens_waiting=self.sessions.opens_waiting,
-            inference_steps=self.backend.inference_steps, inference_batches=self.backend.inference_batches,
+            inference_steps=backend.inference_steps if backend is not None else 0,
+            inference_batches=backend.inference_batches if backend is not None else 0,
             train_steps=self.training.step if self.training is not None else 0,
         )
         return runtime_pb2.ExpertInfo(serialized_info=info.to_bytes())
@@ -70,6 +80,8 @@ class StageHandler(StageService):
 
     def _check_blocks(self, start: int, end: int) -> None:
         if not self.info.start <= start < end <= self.info.end:
+            if self.left is not None:  # clients with an old view of the swarm: re-route, no ban
+                raise MovedError(moved_refusal((self.info.start, self.info.end), self.left))
             raise RequestError(
                 f"this peer serves blocks {self.info.start}:{self.info.end}, not {start}:{end}; "
                 f"refresh your view of the swarm and route that span elsewhere"

@@ -50,6 +50,7 @@ class Session:
     downstream_session: str = ""
     kept: list[torch.Tensor] = field(default_factory=list, repr=False)  # outputs sent downstream, for a replay
     order: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)  # chain steps of this session, in turn
+    moved: str = ""  # the peer moved to another span: its later steps get this refusal (``moved: ...``)
 
     @property
     def reserved_tokens(self) -> int:
@@ -114,6 +115,7 @@ class SessionRegistry:
         self._queue: list[_Waiter] = []  # opens waiting for space, first come first served
         self._refused: dict[str, float] = {}  # owner -> when an open within its share was last refused for space
         self.on_close: list[Callable[[str], None]] = []  # told each freed session id (the chain drops its pushes)
+        self.moved: dict[str, str] = {}  # sessions of the span this peer left -> their refusal (``moved: ...``)
 
     @property
     def tokens_used(self) -> int:

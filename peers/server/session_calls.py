@@ -20,7 +20,7 @@ from peers.server.backend import StageBackend
 from peers.server.calls import Call, Deferred, Responses, StreamCalls, elapsed_ms, reply, tensor_reply
 from peers.server.chain_calls import ChainCalls, check_step
 from peers.server.kv_sessions import Session, SessionRegistry
-from peers.wire.errors import RequestError
+from peers.wire.errors import MovedError, RequestError
 from peers.wire.messages import InferenceClose, InferenceOpen, InferenceReply, InferenceStep, StageInfo
 from privacy.peer_ids import short_id
 
@@ -32,9 +32,10 @@ class SessionCalls(StreamCalls):
 
     def __init__(self, backend: StageBackend, sessions: SessionRegistry, info: StageInfo, *,
                  check_hidden: Callable[..., None], request_timeout: float, require_encryption: bool,
-                 chain: ChainCalls) -> None:
+                 chain: ChainCalls, check_blocks: Callable[[int, int], None] | None = None) -> None:
         super().__init__(info, request_timeout=request_timeout, require_encryption=require_encryption)
         self.backend, self.sessions, self.check_hidden, self.chain = backend, sessions, check_hidden, chain
+        self.check_blocks = check_blocks  # the peer's span check (a ``moved:`` refusal for a span it left)
 
     async def open(self, request: InferenceOpen, call: Call) -> Responses:
         """Open (or resume) a session."""
@@ -43,6 +44,8 @@ class SessionCalls(StreamCalls):
             if not 1 <= request.batch_size <= self.info.max_batch_size:
                 raise RequestError(f"batch_size must be in 1..{self.info.max_batch_size} on this peer")
             if not request.resume:
+                if self.check_blocks is not None:
+                    self.check_blocks(request.start, request.end)
                 self.chain.check_open(request.upstream, request.downstream)
             live = any(self.sessions.sessions.get(i) is s for i, s in owned.items())
             session = await self.sessions.open(request, call.caller, (self.info.start, self.info.end),
@@ -105,6 +108,9 @@ class SessionCalls(StreamCalls):
             session = owned.get(session_id)
             if session is None:
                 raise RequestError(f"session {session_id!r} is not open on this stream")
+            if session.moved:  # opened on the span this peer left: a step already running finished there
+                owned.pop(session_id)
+                raise MovedError(session.moved)
             if self.sessions.sessions.get(session_id) is not session:
                 owned.pop(session_id)
                 raise RequestError(f"session {session_id!r} was freed after being idle; open a new one")

@@ -1,11 +1,29 @@
-"""``StageServer``, the composition root of a peer: DHT node, blocks, handler, announcer."""
+"""``StageServer``, the composition root of a peer: DHT node, blocks, handler, announcer; and its moves.
+
+A peer serves one span at a time (a ``_Stage``: blocks, backend, sessions, training side). ``move_to`` loads another
+span while the old one keeps serving (blocks it already holds are kept, the rest read from the model folder on a
+thread; with training on, the newest checkpoint of that exact span wins, else blocks other peers serve are fetched
+with their trained weights, ``ParamsFetch`` of a sub-range of their span), then switches in one go on the event loop:
+from the next request on, every stream serves the new span, and a request for the old one gets a ``moved:`` refusal
+(``peers.wire.errors.MovedError``: clients re-route it without a ban). A step already running on the old span
+finishes; a training run open on it is checkpointed and dropped first (its trainer's next call gets ``moved:`` and
+chooses its stages again). The record is re-announced at once with the new span (links are kept: nothing is
+re-probed). ``become_backup`` does the same with no new span: it frees the blocks and announces ``BACKUP``. A move
+that fails (bad span, no memory, a broken checkpoint) leaves the peer serving its old span and says why.
+
+A backup's record (``PeerState.BACKUP``) names span ``0:N``, N = the blocks it could take (its ``max_blocks``, at most
+the model's): records must keep ``0 <= start < end``, and it serves none of them; routing, block coverage and
+stage choice only count ``ONLINE`` records.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import logging
 import time
+from pathlib import Path
 
 import torch
 from hivemind.dht.node import DHTNode
@@ -14,14 +32,19 @@ import peers
 from peers.core.access import load_admission, load_identity
 from peers.core.config import StageServerConfig
 from peers.core.ids import DTYPES
-from peers.model import ModelConfig, load_blocks
+from peers.model import ModelConfig, StageBlocks, load_blocks
 from peers.server.backend import StageBackend
+from peers.server.chain_calls import ChainCalls
+from peers.server.control import close_control, serve_control
 from peers.server.handler import StageHandler
 from peers.server.kv_sessions import SessionRegistry
+from peers.server.memory import block_bytes, free_bytes, holdable_blocks
 from peers.server.prober import LinkProber
-from peers.server.training_rpc import TrainingRPC
+from peers.server.training_rpc import TrainingRPC, fetch_params
+from peers.wire.errors import moved_refusal
 from peers.wire.links import PeerLinks
 from peers.wire.messages import StageInfo
+from privacy.peer_ids import short_id
 from swarm.announcer import Announcer
 from swarm.block_selection import choose_blocks
 from swarm.discovery import fetch_records, start_node, visible_maddrs
@@ -36,8 +59,22 @@ logger = logging.getLogger(__name__)
 MEASURE_TOKENS = 128  # tokens per measured forward of one block
 
 
+@dataclasses.dataclass(eq=False)
+class _Stage:
+    """What serves one span: its blocks on a batching backend, its inference sessions and its training side."""
+
+    start: int
+    end: int
+    blocks: StageBlocks
+    backend: StageBackend
+    sessions: SessionRegistry
+    info: StageInfo
+    training: TrainingRPC | None
+
+
 class StageServer:
-    """Loads a contiguous range of blocks, measures them, announces itself and serves until stopped."""
+    """Loads a contiguous range of blocks, measures them, announces itself and serves until stopped; moves to
+    another span (``move_to``) or becomes a backup (``become_backup``) on request."""
 
     def __init__(self, config: StageServerConfig) -> None:
         self.config = config
@@ -57,12 +94,22 @@ class StageServer:
         self.record: PeerRecord | None = None
         self.ready = asyncio.Event()
         self.link_table = LinkTable()  # our links to other peers: replica traffic (passive) and probes
+        self.max_blocks = 0  # blocks our memory holds (announced); set at start
+        self._stage: _Stage | None = None  # None: a backup
+        self._moving: asyncio.Lock | None = None
+        self._retiring: set[asyncio.Task] = set()  # old spans finishing their work before they are freed
+
+    @property
+    def span(self) -> tuple[int, int] | None:
+        """The blocks ``[start, end)`` this peer serves now; None while it is a backup (or not started)."""
+        return (self._stage.start, self._stage.end) if self._stage is not None else None
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set, then leave cleanly (announce offline, stop the daemon)."""
         swarm = self.config.swarm
         self.identity = load_identity(swarm)  # our peer id; signs our handshakes
         self.admission = load_admission(swarm, self.identity)  # who may call us; signs and seals our records
+        self._moving = asyncio.Lock()
         self.node = await start_node(
             initial_peers=swarm.initial_peers,
             host_maddrs=swarm.host_maddrs,
@@ -73,68 +120,297 @@ class StageServer:
             client_mode=swarm.client_mode, nat=swarm.nat(),
             check_reachability=swarm.check_reachability,  # others must dial us (directly or through a relay)
         )
-        announcer = backend = handler = reaper = links = probing = None
+        self.announcer = handler = reaper = self.links = probing = control = None
         try:
-            peer_id = str(self.node.peer_id)
-            start, end = await self._choose_blocks()
-            announcer = Announcer(self.node, self._make_record(peer_id, start, end), period=self.config.update_period,
-                                  check=lambda: check_membership(self.admission),
-                                  refresh=lambda r: dataclasses.replace(r, links=self.link_table.best_rows()))
-            await announcer.start()  # JOINING: other joining peers see our blocks and choose others
-            logger.info("Loading blocks %d:%d of %s", start, end, self.model_name)
-            blocks = load_blocks(self.config.model_dir, start, end, device=self.device, dtype=self.dtype)
-            compute = None if self.config.throughput else self._measure(blocks)
-            throughput = self.config.throughput or 1.0 / compute.forward  # type: ignore[union-attr]
-            sessions = SessionRegistry(cache_tokens=self.config.cache_tokens, timeout=self.config.session_timeout,
-                                       max_length_limit=self.model_config.max_position_embeddings,
-                                       client_share=self.config.client_cache_share, cache_wait=self.config.cache_wait)
-            backend = StageBackend(
-                blocks, start=start, device=self.device, dtype=self.dtype,
-                max_batch_tokens=self.config.max_batch_tokens, active_sessions=sessions.attached_count,
-            )
-            await backend.launch()
-            reaper = asyncio.gather(_reap_forever(sessions), keep_revocations(  # they raise if we are shut out
-                self.node, self.admission, period=self.config.update_period), announcer.wait())
-            info = self._make_info(peer_id, start, end, throughput)
-            links = PeerLinks(self.node.p2p, self.admission, timeout=self.config.request_timeout,
-                              observe=self.link_table.observe)
-            training = await self._training(blocks, info, links)
-            handler = StageHandler(backend, info, sessions, request_timeout=self.config.request_timeout,
-                                   identity=self.identity, require_encryption=self.config.require_encryption,
-                                   admission=self.admission, training=training, stream_for=links.get)
+            peer_id = self.peer_id = str(self.node.peer_id)
+            self.max_blocks = self._memory_blocks()
+            if self.config.backup:
+                start, end = 0, self._backup_blocks()
+            else:
+                start, end = await self._choose_blocks()
+                self.max_blocks = max(self.max_blocks, end - start)
+            self.announcer = Announcer(
+                self.node, self._make_record(peer_id, start, end), period=self.config.update_period,
+                check=lambda: check_membership(self.admission),
+                refresh=lambda r: dataclasses.replace(r, links=self.link_table.best_rows()))
+            await self.announcer.start()  # JOINING: other joining peers see our blocks and choose others
+            self.links = PeerLinks(self.node.p2p, self.admission, timeout=self.config.request_timeout,
+                                   observe=self.link_table.observe)
+            if self.config.backup:  # warm up: measured and linked, ready to move; no blocks loaded
+                compute = None if self.config.throughput else self._measure(None)
+                self.throughput = self.config.throughput or 1.0 / compute.forward  # type: ignore[union-attr]
+                info = self._make_info(peer_id, start, end, self.throughput)
+                handler = self._make_handler(None, info, self._sessions(), None)
+                handler.switch(None, info, handler.sessions, None, left=None, unserved=moved_refusal(None, None))
+            else:
+                logger.info("Loading blocks %d:%d of %s", start, end, self.model_name)
+                blocks = load_blocks(self.config.model_dir, start, end, device=self.device, dtype=self.dtype)
+                compute = None if self.config.throughput else self._measure(blocks)
+                self.throughput = self.config.throughput or 1.0 / compute.forward  # type: ignore[union-attr]
+                self._stage = await self._make_stage(blocks, start, end)
+                if self._stage.training is not None:
+                    await self._fetch_from_replica(self._stage.training, start, end)
+                stage = self._stage
+                handler = self._make_handler(stage.backend, stage.info, stage.sessions, stage.training)
+            self.handler = handler
+            reaper = asyncio.gather(self._reap_forever(), keep_revocations(  # they raise if we are shut out
+                self.node, self.admission, period=self.config.update_period), self.announcer.wait())
             await handler.add_p2p_handlers(self.node.p2p)
             addresses = tuple(await visible_maddrs(self.node))  # announced or relayed ones (swarm.discovery)
-            announcer.update(state=PeerState.ONLINE, throughput=throughput, addresses=addresses,
-                             forward_seconds=compute.forward if compute else 0.0,
-                             backward_seconds=compute.backward if compute else 0.0)
-            self.record = announcer.record
-            probing = asyncio.create_task(self._prober(peer_id, links, announcer).run())
-            logger.info(
-                "Serving blocks %d:%d of %s as peer %s (%.0f tokens/s per block); addresses: %s",
-                start, end, self.model_name, peer_id, throughput, " ".join(addresses),
-            )
+            self.announcer.update(state=PeerState.BACKUP if self.config.backup else PeerState.ONLINE,
+                                  throughput=self.throughput, addresses=addresses,
+                                  forward_seconds=compute.forward if compute else 0.0,
+                                  backward_seconds=compute.backward if compute else 0.0)
+            self.record = self.announcer.record
+            probing = asyncio.create_task(self._prober(peer_id, self.links, self.announcer).run())
+            if self.config.control_socket is not None:
+                control = await serve_control(self.config.control_socket, self)
+            if self.config.backup:
+                logger.info("Backup peer %s of %s ready (up to %d blocks, %.0f tokens/s per block): no blocks "
+                            "loaded until it is moved; addresses: %s", peer_id, self.model_name, self.max_blocks,
+                            self.throughput, " ".join(addresses))
+            else:
+                logger.info(
+                    "Serving blocks %d:%d of %s as peer %s (%.0f tokens/s per block); addresses: %s",
+                    start, end, self.model_name, peer_id, self.throughput, " ".join(addresses),
+                )
             self.ready.set()
             await serve_until(stop, reaper)  # or raise MembershipError: our certificate was revoked or expired
             logger.info("Shutting down: announcing offline")
         finally:
+            if control is not None:
+                await close_control(control, self.config.control_socket)  # type: ignore[arg-type]
             if probing is not None:
                 probing.cancel()
                 await asyncio.gather(probing, return_exceptions=True)
-            if announcer is not None:
-                await _quietly(announcer.stop(PeerState.OFFLINE), "announce offline")
+            if self.announcer is not None:
+                await _quietly(self.announcer.stop(PeerState.OFFLINE), "announce offline")
             if handler is not None:
                 await _quietly(handler.remove_p2p_handlers(self.node.p2p), "remove handlers")
             if reaper is not None:
                 await _stop_background(reaper)
-            if backend is not None:
-                await backend.shutdown()
-            if handler is not None and handler.training is not None:
-                handler.training.shutdown()  # finishes the running computation first
-                handler.training.save_unsaved()
-            if links is not None:
-                links.close()
+            for task in list(self._retiring):
+                await asyncio.gather(task, return_exceptions=True)
+            if self._stage is not None:
+                await _close_stage(self._stage)
+            if self.links is not None:
+                self.links.close()
             await _quietly(self.node.shutdown(), "stop the DHT node")
             logger.info("Stopped")
+
+    # ---- moves ------------------------------------------------------------------------------------
+    async def move_to(self, start: int, end: int) -> None:
+        """Serve blocks ``[start, end)`` instead of the current span (or, for a backup, at all).
+
+        Loads the new blocks while the old ones keep serving (nothing new is announced meanwhile), then switches at
+        once: the new backend, info, sessions and training side serve every stream's next request, requests for the
+        old span get a ``moved:`` refusal, the old span's running steps finish and its blocks are freed; the record
+        is announced ``ONLINE`` with the new span. ``ValueError`` for a span beyond the model or beyond
+        ``max_blocks``; a load that fails leaves the old span serving and raises ``RuntimeError`` saying why."""
+        n = self.model_config.num_layers
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end <= n):
+            raise ValueError(f"cannot move to blocks {start}:{end}: this model has blocks 0:{n} (need 0 <= START < "
+                             f"END <= {n})")
+        if end - start > self.max_blocks:
+            raise ValueError(f"cannot move to blocks {start}:{end}: that is {end - start} blocks, and this peer holds "
+                             f"at most {self.max_blocks} (--max_blocks, or what its free memory holds)")
+        if not self.ready.is_set() or self._moving is None:
+            raise RuntimeError("this peer is not serving yet: move it once it is ready")
+        async with self._moving:
+            old = self._stage
+            if old is not None and (old.start, old.end) == (start, end):
+                return
+            left = (old.start, old.end) if old is not None else None
+            logger.info("Moving to blocks %d:%d%s: loading them while the old span keeps serving", start, end,
+                        f" (from {left[0]}:{left[1]})" if left else " (a backup until now)")
+            began = time.perf_counter()
+            try:
+                fresh = await asyncio.to_thread(self._load_new_blocks, start, end, old)
+                fetched = await self._fetch_trained(fresh, start, end, old)
+            except Exception as e:
+                still = f"blocks {left[0]}:{left[1]}" if left else "nothing (a backup)"
+                logger.error("Could not move to blocks %d:%d: %s: %s. Still serving %s; free memory, check the model "
+                             "folder and checkpoints (or --max_blocks), then try again", start, end, type(e).__name__,
+                             e, still)
+                raise RuntimeError(f"could not load blocks {start}:{end} ({type(e).__name__}: {e}); this peer still "
+                                   f"serves {still}") from e
+            refusal = moved_refusal((start, end), left)
+            carried = await self._retire_training(old, refusal)  # checkpoint the run of the old span, drop it
+            try:
+                blocks = self._assemble(fresh, start, end, old)
+                stage = await self._make_stage(blocks, start, end, moved=refusal,
+                                               carried_step=max(carried, fetched))
+            except Exception as e:
+                logger.error("Could not move to blocks %d:%d: %s: %s. Still serving %s for inference (its training "
+                             "run was closed); try again", start, end, type(e).__name__, e, left)
+                raise RuntimeError(f"could not set up blocks {start}:{end}: {type(e).__name__}: {e}") from e
+            self._switch(old, stage, refusal)
+            await self._announce(PeerState.ONLINE, start, end)
+            logger.info("Serving blocks %d:%d of %s as peer %s (moved%s in %.1f s)", start, end, self.model_name,
+                        self.peer_id, f" from {left[0]}:{left[1]}" if left else " from backup",
+                        time.perf_counter() - began)
+
+    async def become_backup(self) -> None:
+        """Stop serving (requests for the old span get ``moved:``; running steps finish), free the blocks and
+        announce ``BACKUP`` (span ``0:N``, N the blocks it could take): ready for ``move_to``."""
+        if not self.ready.is_set() or self._moving is None:
+            raise RuntimeError("this peer is not serving yet")
+        async with self._moving:
+            old = self._stage
+            if old is None:
+                return
+            refusal = moved_refusal(None, (old.start, old.end))
+            await self._retire_training(old, refusal)
+            info = self._make_info(self.peer_id, 0, self._backup_blocks(), self.throughput)
+            self._stage, chain = None, self.handler.inference.chain
+            self.handler.switch(None, info, self._sessions(), None, left=(old.start, old.end), unserved=refusal)
+            self._retire(old, chain, refusal)
+            await self._announce(PeerState.BACKUP, 0, self._backup_blocks())
+            logger.info("Backup peer %s of %s: stopped serving blocks %d:%d and freed them; ready to move",
+                        self.peer_id, self.model_name, old.start, old.end)
+
+    def _load_new_blocks(self, start: int, end: int, old: _Stage | None) -> dict[int, torch.nn.Module]:
+        """Blocks of ``[start, end)`` that the old span lacks, from the model folder (on a thread)."""
+        have = range(old.start, old.end) if old is not None else range(0)
+        wanted = [i for i in range(start, end) if i not in have]
+        fresh: dict[int, torch.nn.Module] = {}
+        for first, last in _runs(wanted):
+            loaded = load_blocks(self.config.model_dir, first, last, device=self.device, dtype=self.dtype)
+            fresh.update({first + k: block for k, block in enumerate(loaded)})
+        return fresh
+
+    def _assemble(self, fresh: dict[int, torch.nn.Module], start: int, end: int, old: _Stage | None) -> StageBlocks:
+        """The new span's blocks: the old span's where they overlap (copies when training may change them: the old
+        span serves its own until it is freed), the fresh ones elsewhere."""
+        training = self.config.trainer_policy().enabled
+        blocks = []
+        for i in range(start, end):
+            if i in fresh:
+                blocks.append(fresh[i])
+            else:
+                assert old is not None
+                kept = old.blocks[i - old.start]
+                blocks.append(copy.deepcopy(kept) if training else kept)
+        return StageBlocks(blocks, start, end).eval()
+
+    async def _fetch_trained(self, fresh: dict[int, torch.nn.Module], start: int, end: int, old: _Stage | None
+                             ) -> int:
+        """With training on and no checkpoint of exactly ``[start, end)``: the fresh blocks take the parameters the
+        peers serving them hold now (``ParamsFetch`` of a sub-range of their span), so that trained weights move
+        with the blocks. Returns the highest step fetched (0: none)."""
+        if not fresh or not self.config.trainer_policy().enabled or self._has_checkpoint(start, end):
+            return 0
+        try:
+            records = await asyncio.wait_for(fetch_records(self.node, self.model_name), self.config.swarm.dht_timeout)
+        except Exception as e:
+            logger.warning("Could not look for peers serving blocks %d:%d (%r): the new blocks start from the model "
+                           "folder", start, end, e)
+            return 0
+        serving = [r for r in records if r.state == PeerState.ONLINE and r.peer_id != self.peer_id]
+        best = 0
+        for first, last in _runs(fresh):
+            position = first
+            while position < last:
+                source = max((r for r in serving if r.start <= position < r.end), key=lambda r: r.end, default=None)
+                if source is None:
+                    logger.info("No peer serves block %d now: it starts from the model folder", position)
+                    position += 1
+                    continue
+                stop = min(last, source.end)
+                try:
+                    step, flat = await fetch_params(self.links.get, source.peer_id, position, stop,  # type: ignore
+                                                    self.config.request_timeout)
+                    _load_flat([fresh[i] for i in range(position, stop)], flat)
+                except Exception as e:
+                    logger.warning("Could not fetch blocks %d:%d from peer %s (%s): they start from the model "
+                                   "folder", position, stop, short_id(source.peer_id), e)
+                else:
+                    best = max(best, step)
+                    logger.info("Fetched the current parameters of blocks %d:%d from peer %s (%d:%d, step %d)",
+                                position, stop, short_id(source.peer_id), source.start, source.end, step)
+                position = stop
+        return best
+
+    def _has_checkpoint(self, start: int, end: int) -> bool:
+        directory = self.config.checkpoint_dir
+        return directory is not None and any(Path(directory).glob(f"*/blocks-{start}-{end}/state.json"))
+
+    async def _retire_training(self, old: _Stage | None, refusal: str) -> int:
+        """Checkpoint and drop the training run open on the span we leave; the step of the weights it leaves us."""
+        if old is None or old.training is None:
+            return 0
+        step = old.training.step
+        await old.training.retire(refusal)
+        return step
+
+    def _switch(self, old: _Stage | None, new: _Stage, refusal: str) -> None:
+        """From the next request on, every stream serves ``new``; ``old`` finishes its running work (no await here:
+        nothing runs in between)."""
+        self._stage = new
+        chain = self.handler.inference.chain if old is not None else None  # the old span's chained steps
+        if old is not None:
+            new.sessions.moved = {session_id: refusal for session_id in old.sessions.sessions}
+        self.handler.switch(new.backend, new.info, new.sessions, new.training,
+                            left=(old.start, old.end) if old is not None else None)
+        if old is not None:
+            self._retire(old, chain, refusal)
+
+    def _retire(self, old: _Stage, chain: ChainCalls | None, refusal: str) -> None:
+        """Mark the old span's sessions moved (their later steps get ``refusal``), fail its steps waiting for pushes,
+        and free the span once its running work is done."""
+        for session in old.sessions.sessions.values():
+            session.moved = refusal
+        if chain is not None:
+            chain.retire(refusal)
+        task = asyncio.create_task(self._free(old))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def _free(self, old: _Stage) -> None:
+        if not await old.backend.drain(self.config.request_timeout):
+            logger.warning("Blocks %d:%d: %d request(s) still running after %.0f s; freeing the blocks anyway",
+                           old.start, old.end, old.backend.in_flight, self.config.request_timeout)
+        await _close_stage(old)
+        old.sessions.sessions.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        logger.info("Freed blocks %d:%d", old.start, old.end)
+
+    async def _announce(self, state: PeerState, start: int, end: int) -> None:
+        assert self.announcer is not None
+        await self.announcer.publish(state=state, start=start, end=end, max_blocks=self.max_blocks)
+        self.record = self.announcer.record
+
+    # ---- building a span --------------------------------------------------------------------------
+    def _sessions(self) -> SessionRegistry:
+        return SessionRegistry(cache_tokens=self.config.cache_tokens, timeout=self.config.session_timeout,
+                               max_length_limit=self.model_config.max_position_embeddings,
+                               client_share=self.config.client_cache_share, cache_wait=self.config.cache_wait)
+
+    async def _make_stage(self, blocks: StageBlocks, start: int, end: int, *, moved: str = "",
+                          carried_step: int = 0) -> _Stage:
+        sessions = self._sessions()
+        backend = StageBackend(
+            blocks, start=start, device=self.device, dtype=self.dtype,
+            max_batch_tokens=self.config.max_batch_tokens, active_sessions=sessions.attached_count,
+        )
+        info = self._make_info(self.peer_id, start, end, self.throughput)
+        training = self._training(blocks, info, moved=moved, carried_step=carried_step)
+        await backend.launch()
+        return _Stage(start, end, blocks, backend, sessions, info, training)
+
+    def _make_handler(self, backend, info: StageInfo, sessions: SessionRegistry, training) -> StageHandler:
+        return StageHandler(backend, info, sessions, request_timeout=self.config.request_timeout,
+                            identity=self.identity, require_encryption=self.config.require_encryption,
+                            admission=self.admission, training=training,
+                            stream_for=self.links.get)  # type: ignore[union-attr]
+
+    async def _reap_forever(self) -> None:
+        """Free sessions whose client went away, a few times per timeout (those of the span served now)."""
+        while True:
+            await asyncio.sleep(max(0.2, self.config.session_timeout / 4))
+            if self._stage is not None:
+                self._stage.sessions.reap()
 
     def _prober(self, peer_id: str, links: PeerLinks, announcer: Announcer) -> LinkProber:
         """Probes the other peers of our model that we know nothing of, and publishes our best links."""
@@ -147,22 +423,26 @@ class StageServer:
 
         return LinkProber(self.link_table, links.get, fetch, peer_id, publish)
 
-    async def _training(self, blocks, info: StageInfo, links: PeerLinks) -> TrainingRPC | None:
-        """The training side, if the operator allows trainers (``--trainers``): it trains the weights we serve."""
+    def _training(self, blocks, info: StageInfo, *, moved: str = "", carried_step: int = 0) -> TrainingRPC | None:
+        """The training side, if the operator allows trainers (``--trainers``): it trains the weights we serve. After
+        a move, the newest checkpoint of exactly this span wins over the weights carried over or fetched."""
         policy = self.config.trainer_policy()
         if not policy.enabled:
-            logger.info("Training is off: pass --trainers PEER_ID[,...] (or members, or anyone) to let trainers "
-                        "train these blocks")
+            if not moved:
+                logger.info("Training is off: pass --trainers PEER_ID[,...] (or members, or anyone) to let trainers "
+                            "train these blocks")
             return None
-        if policy.anyone:
+        if not moved and policy.anyone:
             logger.warning("--trainers anyone: %s may train these blocks, and every client then computes with what "
                            "it trained", policy.describe())
-        else:
+        elif not moved:
             logger.info("Training allowed for %s", policy.describe())
         training = TrainingRPC(blocks, info, trainers=policy, checkpoint_dir=self.config.checkpoint_dir,
-                               stream_for=links.get, chain_timeout=self.config.request_timeout)
-        training.resume_latest()  # our own checkpoint first: a replica's weights never replace newer ones
-        await self._fetch_from_replica(training, info.start, info.end)
+                               stream_for=self.links.get,  # type: ignore[union-attr]
+                               chain_timeout=self.config.request_timeout)
+        training.moved = moved
+        if training.resume_latest() is None and carried_step:  # our own checkpoint first, else what we carried
+            training.carried_step = training.fetched_step = carried_step
         return training
 
     async def _fetch_from_replica(self, training: TrainingRPC, start: int, end: int) -> None:
@@ -186,8 +466,24 @@ class StageServer:
         logger.info("Chose blocks %d:%d, the least served in a swarm of %d peers", start, end, len(records))
         return start, end
 
+    def _memory_blocks(self) -> int:
+        """``--max_blocks``, else the blocks our free memory holds (before we load any)."""
+        if self.config.max_blocks is not None:
+            return self.config.max_blocks
+        per_block = block_bytes(self.model_config, self.dtype)
+        held = holdable_blocks(free_bytes(self.device), per_block, num_layers=self.model_config.num_layers,
+                               training=self.config.trainer_policy().enabled)
+        logger.info("Memory holds about %d block(s) of %.1f MiB (%s, %s); announced as max_blocks (--max_blocks "
+                    "overrides)", held, per_block / 2**20, self.device, str(self.dtype).removeprefix("torch."))
+        return held
+
+    def _backup_blocks(self) -> int:
+        """The span a backup's record names: ``0:N``, N the blocks it could take."""
+        return max(1, min(self.max_blocks, self.model_config.num_layers))
+
     def _measure(self, blocks) -> Compute:
-        """Forward and backward seconds per token of one block on our device (a 128-token forward), cached."""
+        """Forward and backward seconds per token of one block on our device (a 128-token forward), cached. A
+        backup (``blocks`` None) loads block 0 for it and frees it again."""
         cfg = self.model_config
         key = (f"{cfg.family}-h{cfg.hidden_size}-i{cfg.intermediate_size}-kv{cfg.num_kv_heads}"
                f"-{self.device}-{self.dtype}")
@@ -195,7 +491,9 @@ class StageServer:
         def measure() -> Compute:
             logger.info("Measuring the forward and backward compute of one block (cached in %s)",
                         self.config.cache_dir)
-            return measure_block(blocks[0], cfg.hidden_size, self.device, self.dtype)
+            measured = blocks if blocks is not None else load_blocks(self.config.model_dir, 0, 1, device=self.device,
+                                                                     dtype=self.dtype)
+            return measure_block(measured[0], cfg.hidden_size, self.device, self.dtype)
 
         t0 = time.perf_counter()
         value = cached_compute(self.config.cache_dir, key, measure)
@@ -208,7 +506,7 @@ class StageServer:
             peer_id=peer_id, model=self.model_name, start=start, end=end, state=PeerState.JOINING,
             throughput=0.0, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
             public_name=self.config.public_name, version=peers.__version__,
-            addresses=(), max_batch_size=self.config.max_batch_size,
+            addresses=(), max_batch_size=self.config.max_batch_size, max_blocks=self.max_blocks,
         )
 
     def _make_info(self, peer_id: str, start: int, end: int, throughput: float) -> StageInfo:
@@ -220,6 +518,34 @@ class StageServer:
             throughput=float(throughput), version=peers.__version__, cache_tokens=self.config.cache_tokens,
             cache_tokens_free=self.config.cache_tokens, session_timeout=self.config.session_timeout,
         )
+
+
+def _runs(indices) -> list[tuple[int, int]]:
+    """Sorted block indices as maximal contiguous ``[first, last)`` runs."""
+    runs: list[tuple[int, int]] = []
+    for i in sorted(indices):
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def _load_flat(blocks: list[torch.nn.Module], flat: torch.Tensor) -> None:
+    """Load a peer's flat parameters of these blocks (checked: size, finite)."""
+    params = [p for block in blocks for p in block.parameters()]
+    numel = sum(p.numel() for p in params)
+    if flat.ndim != 1 or flat.numel() != numel or not bool(torch.isfinite(flat).all()):
+        raise ValueError(f"got {list(flat.shape)} values; expected {numel} finite ones")
+    with torch.no_grad():
+        torch.nn.utils.vector_to_parameters(flat.to(params[0].dtype), params)
+
+
+async def _close_stage(stage: _Stage) -> None:
+    await stage.backend.shutdown()
+    if stage.training is not None and not stage.training.retired:
+        stage.training.shutdown()  # finishes the running computation first
+        stage.training.save_unsaved()
 
 
 def measure_block(block, hidden_size: int, device: torch.device, dtype: torch.dtype,
@@ -274,10 +600,3 @@ async def _stop_background(gathered: asyncio.Future) -> None:
     await asyncio.wait([gathered])
     if not gathered.cancelled():
         gathered.exception()  # the cancellation itself, or an error the caller already raised
-
-
-async def _reap_forever(sessions: SessionRegistry) -> None:
-    """Free sessions whose client went away, a few times per timeout."""
-    while True:
-        await asyncio.sleep(max(0.2, sessions.timeout / 4))
-        sessions.reap()

@@ -79,29 +79,43 @@ HEARTBEAT_FRAME = encode(runtime_pb2.ExpertResponse(metadata=HEARTBEAT_METADATA)
 class StreamHandler(StreamCalls):
     """Serves the streams of one peer; ``check_hidden`` and ``check_blocks`` are the handler's validation."""
 
-    def __init__(self, backend: StageBackend, info: StageInfo, sessions: SessionRegistry, *,
+    def __init__(self, backend: StageBackend | None, info: StageInfo, sessions: SessionRegistry, *,
                  request_timeout: float, check_hidden: Callable[..., None], check_blocks: Callable[[int, int], None],
                  identity: Identity, require_encryption: bool = True, admission: Admission | None = None,
                  training: TrainingRPC | None = None, stream_for: StreamFor | None = None) -> None:
         super().__init__(info, request_timeout=request_timeout, require_encryption=require_encryption)
-        self.backend, self.sessions, self.training = backend, sessions, training
         self.check_hidden, self.check_blocks = check_hidden, check_blocks
         self.identity, self.admission = identity, admission or Admission()
+        self.stream_for = stream_for
         self.open_streams: dict[str, int] = {}  # caller -> its streams open now
-        self.chain = ChainCalls(backend, sessions, info, check_hidden=check_hidden, request_timeout=request_timeout,
-                                require_encryption=require_encryption, stream_for=stream_for)
-        inference = SessionCalls(backend, sessions, info, check_hidden=check_hidden, request_timeout=request_timeout,
-                                 require_encryption=require_encryption, chain=self.chain)
         self.probes = ProbeCalls(ProbeLimiter(), info, request_timeout=request_timeout,
                                  require_encryption=require_encryption)
-        self.handlers: dict[type, Handler] = {
+        self.switch(backend, info, sessions, training)
+
+    def switch(self, backend: StageBackend | None, info: StageInfo, sessions: SessionRegistry,
+               training: TrainingRPC | None, unserved: str = "") -> None:
+        """Serve another span from the next request on, on every stream (the peer moved, ``StageServer.move_to``).
+        Requests under way finish on the objects they started with. ``backend`` None (a backup): every request but
+        hellos and probes gets ``unserved`` (a ``moved: ...`` refusal)."""
+        self.info, self.backend, self.sessions, self.training, self.unserved = info, backend, sessions, training, \
+            unserved
+        timeout, encrypted = self.request_timeout, self.require_encryption
+        self.probes.info = info
+        self.handlers: dict[type, Handler] = {LinkProbe: self.probes.probe}
+        if backend is None:
+            return
+        self.chain = ChainCalls(backend, sessions, info, check_hidden=self.check_hidden, request_timeout=timeout,
+                                require_encryption=encrypted, stream_for=self.stream_for)
+        inference = SessionCalls(backend, sessions, info, check_hidden=self.check_hidden, request_timeout=timeout,
+                                 require_encryption=encrypted, chain=self.chain, check_blocks=self.check_blocks)
+        self.handlers.update({
             ForwardRequest: self.forward, InferenceOpen: inference.open, InferenceStep: inference.steps,
-            InferenceClose: inference.close, LinkProbe: self.probes.probe, InferencePush: self.chain.push,
+            InferenceClose: inference.close, InferencePush: self.chain.push,
             InferenceRelink: self.chain.relink, InferenceReplay: self.chain.replay,
-        }
+        })
         if training is not None:
-            calls = TrainingCalls(training, info, check_hidden=check_hidden, request_timeout=request_timeout,
-                                  require_encryption=require_encryption)
+            calls = TrainingCalls(training, info, check_hidden=self.check_hidden, request_timeout=timeout,
+                                  require_encryption=encrypted)
             self.handlers.update({TrainOpen: calls.open, TrainApply: calls.apply, ParamsFetch: calls.fetch,
                                   TrainForward: calls.tensor_call, TrainBackward: calls.tensor_call,
                                   ParamsPush: calls.tensor_call, TrainPush: calls.push, TrainFetch: calls.fetch_kept})
@@ -212,8 +226,9 @@ class StreamHandler(StreamCalls):
                     stream.busy = False
                 yield responses
         finally:
-            for session_id in stream.owned:
-                self.sessions.detach(session_id)
+            for session_id, session in stream.owned.items():
+                if not session.moved:  # those of a span we left are freed with it
+                    self.sessions.detach(session_id)
             if self.training is not None:
                 self.training.stream_closed(stream)
 
@@ -227,6 +242,8 @@ class StreamHandler(StreamCalls):
         if isinstance(request, InferenceHello):
             return [self._hello(request, call.stream, call.caller)]
         refusal = self._refusal(call.stream)
+        if not refusal and self.unserved and not isinstance(request, LinkProbe):
+            refusal = self.unserved  # a backup serves no blocks (a moved: refusal)
         if not refusal and isinstance(request, TRAINING_KINDS):
             refusal = training_refusal(self.training, request, call.caller)  # an operator-allowed trainer?
         if refusal:
@@ -281,8 +298,10 @@ class StreamHandler(StreamCalls):
             started = time.perf_counter()  # from here on, the time is ours, not the network's
             self.check_blocks(request.start, request.end)
             self.check_hidden(hidden)
+            backend = self.backend
+            assert backend is not None  # a backup has no forward handler
             async with deadline(self.request_timeout):
-                output = await self.backend.forward(hidden, request.start, request.end, call.caller)
+                output = await backend.forward(hidden, request.start, request.end, call.caller)
         except (RequestError, ValueError, asyncio.TimeoutError) as e:
             error = str(e) or f"forward exceeded the deadline of {self.request_timeout:.0f} s"
             logger.info("forward(blocks=%s:%s) refused: %s", request.start, request.end, error)

@@ -31,7 +31,7 @@ from peers.server.averaging import ReplicaAverager, StreamFor, round_at
 from peers.server.training_chain import MAX_SCALE, TrainChain
 from peers.training import GradientError, OptimConfig, StageTrainer
 from peers.training.state import read_state_info
-from peers.wire.errors import RequestError
+from peers.wire.errors import MovedError, RequestError
 from peers.wire.messages import (
     ParamsFetch,
     ParamsPush,
@@ -61,6 +61,15 @@ def training_refusal(training: TrainingRPC | None, request: object, caller: str)
     return ""
 
 
+async def fetch_params(stream_for: StreamFor, peer_id: str, start: int, end: int, timeout: float
+                       ) -> tuple[int, torch.Tensor]:
+    """Blocks ``[start, end)`` as peer ``peer_id`` serves them now (any part of its span): its step and flat
+    parameters (``ParamsFetch``), over our encrypted stream to it."""
+    stream = await stream_for(peer_id)
+    reply, flat = await stream.call(ParamsFetch(start=start, end=end), None, timeout)
+    return reply.step, flat
+
+
 class TrainingRPC:
     """Serves training requests for one peer's blocks (``blocks`` is the backend's ``StageBlocks``)."""
 
@@ -76,6 +85,11 @@ class TrainingRPC:
         self.owner: object | None = None  # the stream that opened the run
         self.checkpoint_every = 0
         self.fetched_step = 0  # with no run open: the step of the replica whose parameters we loaded at start
+        # after a move (``peers.server.stage_server``): the refusal for the runs of the span we left, and the step of
+        # the trained weights we carried over or fetched (a run opened here without its checkpoint counts from it)
+        self.moved = ""
+        self.carried_step = 0
+        self.retired = False  # the peer moved off our span (``retire``)
         self._opening = asyncio.Lock()
         self.chain = TrainChain(self, stream_for, timeout=chain_timeout)  # pushes from/to the adjacent stages
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-train")
@@ -95,7 +109,11 @@ class TrainingRPC:
             return await self._open(request, stream)
 
     async def _open(self, request: TrainOpen, stream: object) -> int:
+        if self.retired:  # this peer moved off our span: no run opens here again
+            raise MovedError(self.moved)
         if (request.start, request.end) != (self.info.start, self.info.end):
+            if self.moved:
+                raise MovedError(self.moved)
             raise RequestError(f"training uses a peer's whole span: this peer serves {self.info.start}:"
                                f"{self.info.end}, not {request.start}:{request.end}")
         if self.owner is not None and self.owner is not stream and self.run_id != request.run_id:
@@ -145,6 +163,10 @@ class TrainingRPC:
             self.trainer.load(path)
             logger.info("Run %r: resumed blocks %d:%d from %s at step %d", self.run_id, self.info.start,
                         self.info.end, path, self.trainer.step)
+        elif self.carried_step:  # we moved here with trained weights: the run goes on from their step
+            self.trainer.part.step_count = self.carried_step
+            logger.info("Run %r: blocks %d:%d carry the weights of step %d (moved here; AdamW state starts fresh)",
+                        self.run_id, self.info.start, self.info.end, self.carried_step)
 
     def resume_latest(self) -> str | None:
         """After a restart: load the newest checkpoint of our span (any run) so we serve trained weights at once;
@@ -246,6 +268,8 @@ class TrainingRPC:
     def receive_push(self, request: TrainPush, tensor: torch.Tensor, sender: str) -> None:
         """An adjacent stage's push for our run (``peers.server.training_chain``)."""
         if self.trainer is None or self.owner is None or request.run_id != self.run_id:
+            if self.moved:
+                raise MovedError(self.moved)
             raise RequestError(f"push refused: run {request.run_id[:64]!r} is not open on this peer")
         self.chain.receive(request, tensor, sender)
 
@@ -261,14 +285,45 @@ class TrainingRPC:
         self.averager.receive(sender, request.round, flat, self._numel())
 
     def current_params(self, request: ParamsFetch) -> torch.Tensor:
-        """Our flat parameters, for a replica of our span that joins late."""
-        if (request.start, request.end) != (self.info.start, self.info.end):
+        """Our flat parameters of blocks ``[request.start, request.end)``, any part of our span: for a replica of our
+        span that joins late, or a peer that moves onto some of our blocks."""
+        if not self.info.start <= request.start < request.end <= self.info.end:
+            if self.moved:
+                raise MovedError(self.moved)
             raise RequestError(f"this peer serves {self.info.start}:{self.info.end}, not {request.start}:{request.end}")
-        return self.current_flat()
+        return self.current_flat(request.start, request.end)
 
-    def current_flat(self) -> torch.Tensor:
+    def current_flat(self, start: int | None = None, end: int | None = None) -> torch.Tensor:
+        """The flat parameters of blocks ``[start, end)`` (default: all of ours)."""
         with torch.no_grad():
-            return parameters_to_vector(list(self.blocks.parameters())).detach().clone()
+            return parameters_to_vector(self._params(start, end)).detach().clone()
+
+    def load_range(self, start: int, end: int, flat: torch.Tensor) -> None:
+        """Replace the parameters of our blocks ``[start, end)`` with ``flat`` (checked: size, finite)."""
+        params = self._params(start, end)
+        numel = sum(p.numel() for p in params)
+        if flat.ndim != 1 or flat.numel() != numel or not all_finite([flat]):
+            raise ValueError(f"a peer sent {list(flat.shape)} values for blocks {start}:{end}; expected {numel} "
+                             f"finite ones")
+        with torch.no_grad():
+            vector_to_parameters(flat.to(params[0].dtype), params)
+
+    async def retire(self, refusal: str) -> None:
+        """This peer moves off our span: checkpoint the run's last applied step (after the computation under way),
+        drop the run (its trainer's next request gets ``refusal``, a ``moved:`` one) and stop the training thread."""
+        self.moved, self.retired = refusal, True
+        self.chain.reset(refusal)  # chained waits of the run fail now
+        saved = await self._compute(self.save_unsaved, "before moving to another span")
+        if saved is None and self.trainer is not None and self.trainer.step and self.checkpoint_dir is not None:
+            logger.warning("Run %r: step %d of blocks %d:%d was not saved as this peer moved", self.run_id,
+                           self.trainer.step, self.info.start, self.info.end)
+        self.trainer, self.owner, self.averager = None, None, None
+        self.shutdown()
+
+    def _params(self, start: int | None, end: int | None) -> list[torch.nn.Parameter]:
+        first = 0 if start is None else start - self.info.start
+        last = len(self.blocks) if end is None else end - self.info.start
+        return [p for block in list(self.blocks)[first:last] for p in block.parameters()]
 
     def load_params(self, flat: torch.Tensor) -> None:
         """Replace our parameters with a replica's (checked); stale graphs are recomputed."""
@@ -321,6 +376,8 @@ class TrainingRPC:
     # ---- internals --------------------------------------------------------------------------------
     def _trainer(self, run_id: str, stream: object) -> StageTrainer:
         if self.trainer is None or run_id != self.run_id or self.owner is not stream:
+            if self.moved:  # the run was open on the span this peer left: its trainer chooses the stages again
+                raise MovedError(self.moved)
             raise RequestError(f"run {run_id!r} is not open on this stream: send train_open first")
         return self.trainer
 
@@ -337,9 +394,7 @@ class TrainingRPC:
 
     async def _fetch(self, peer_id: str, timeout: float) -> tuple[int, torch.Tensor]:
         """A replica's step and current flat parameters (``ParamsFetch``)."""
-        stream = await self.stream_for(peer_id)
-        reply, flat = await stream.call(ParamsFetch(start=self.info.start, end=self.info.end), None, timeout)
-        return reply.step, flat
+        return await fetch_params(self.stream_for, peer_id, self.info.start, self.info.end, timeout)
 
     async def _catch_up(self, request: TrainOpen, others: list[str]) -> bool:
         """Load the parameters of the first replica listed (the trainer lists the most advanced first) that is

@@ -27,7 +27,7 @@ import torch
 from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
 from peers.client.retry import classify
-from peers.wire.errors import ChainError, RequestError
+from peers.wire.errors import ChainError, MovedError, RequestError
 from peers.wire.messages import InferenceReply, Message, TrainBackward, TrainForward
 from swarm.records import PeerRecord
 
@@ -84,7 +84,10 @@ async def run_phase(trainer: Trainer, route: list[str], messages: list[Message],
         try:
             streams.append(await client.peer_stream(peer_id))
         except RequestError as e:
-            raise classify(e) from None
+            error = classify(e)
+            if isinstance(error, MovedError):  # it serves another span now: choose again (no ban)
+                raise trainer.failure(peer_id, error, started) from None
+            raise error from None
         except FAILURES as e:
             raise trainer.failure(peer_id, e, started) from e
     for tensor in tensors:
@@ -105,7 +108,9 @@ async def run_phase(trainer: Trainer, route: list[str], messages: list[Message],
                 if isinstance(error, ChainError) and error.failed_peer:
                     raise trainer.failure(error.failed_peer, error, started) from error
                 if isinstance(error, RequestError):
-                    raise classify(error) from None
+                    if isinstance(classified := classify(error), MovedError):  # choose the stages again, no ban
+                        raise trainer.failure(peer_id, classified, started) from None
+                    raise classified from None
                 if isinstance(error, FAILURES):
                     raise trainer.failure(peer_id, error, started) from error
                 raise error

@@ -45,7 +45,7 @@ async def stage_groups(trainer: Trainer, grace: float, since: float | None = Non
     so_far = time.monotonic() - began  # a retry after a failure goes on with the same wait (and its notices)
     noticed, probed = (so_far // NOTICE_EVERY * NOTICE_EVERY if so_far >= 1.0 else -NOTICE_EVERY), 0.0
     while True:
-        snapshot, banned = await client._fetch(), router.banned()
+        snapshot, banned = router.without_moved(await client._fetch()), router.banned()  # no stale moved records
         try:
             return choose_stage_groups([r for r in snapshot if r.peer_id not in banned], num_blocks)
         except NoPipelineError as e:

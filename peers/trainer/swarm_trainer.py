@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
-from peers.client.retry import backoff, classify
+from peers.client.retry import backoff, classify, report_failure
 from peers.client.swarm_client import SwarmClient
 from peers.core.config import TOPOLOGIES
 from peers.model.local import default_position_ids
@@ -53,7 +53,7 @@ from peers.trainer import chain
 from peers.trainer.pipeline import stage_groups
 from peers.trainer.replay import StageShare, StepRecord, recover
 from peers.training import OptimConfig, PartOptimizer, loss_of, unique_parameters
-from peers.wire.errors import ChainError, RequestError
+from peers.wire.errors import ChainError, MovedError, RequestError
 from peers.wire.messages import TrainApply, TrainBackward, TrainForward, TrainOpen
 from privacy.errors import MembershipError
 from privacy.peer_ids import short_id
@@ -79,7 +79,8 @@ class StepResult:
 
 
 class StageFailure(ConnectionError):
-    """A stage peer broke its stream or timed out; the step is retried on re-chosen stages."""
+    """A stage peer broke its stream or timed out, or refused because it moved to another span (``moved``: no
+    ban); the step is retried on re-chosen stages."""
 
     def __init__(self, peer_id: str, error: BaseException, started: float | None = None) -> None:
         super().__init__(f"stage peer {short_id(peer_id)} failed: {error!r}")
@@ -255,7 +256,7 @@ class SwarmTrainer:
             except StageFailure as failure:
                 self.part.zero_grad()  # the trainer's share of the failed attempt is discarded too
                 failures, self.broken_since = failures + 1, self.broken_since or time.monotonic()
-                self.client.router.on_failure(failure.peer_id, failure.error, started=failure.started)
+                self._report(failure.peer_id, failure.error, failure.started)
                 # a lone stage's peer that restarts fails every try until it serves again: give up only after
                 # max_retries tries *and* pipeline_wait seconds
                 if failures > self.client.config.max_retries and \
@@ -309,7 +310,7 @@ class SwarmTrainer:
             if isinstance(result, BaseException):  # the others applied theirs: this span catches up or replays
                 logger.warning("Run %s: peer %s did not apply step %d: %s", self.run_id, short_id(peer_id),
                                self.steps_done, result)
-                self.client.router.on_failure(peer_id, result, started=getattr(result, "started", None))
+                self._report(peer_id, result, getattr(result, "started", None))
                 self.stages = []  # choose the stages again before the next step
                 self.broken_since = self.broken_since or time.monotonic()
             else:
@@ -338,11 +339,19 @@ class SwarmTrainer:
             stream = await self.client.peer_stream(peer_id)
             return await stream.call(message, tensor, self.client.config.request_timeout)
         except RequestError as e:
-            raise classify(e) from None
+            error = classify(e)
+            if isinstance(error, MovedError):  # it serves another span now: the stages are chosen again, no ban
+                raise StageFailure(peer_id, error, started) from None
+            raise error from None
         except ChainError as e:  # the peer it names failed, not this one
             raise StageFailure(e.failed_peer, e, started) from e
         except (ConnectionError, TimeoutError, asyncio.TimeoutError, OSError, P2PDaemonError, P2PHandlerError) as e:
             raise StageFailure(peer_id, e, started) from e
+
+    def _report(self, peer_id: str, error: BaseException, started: float | None) -> None:
+        """A stage's failure bans its peer; a peer that moved off its span is only left out of the next choice."""
+        span = next(((r.start, r.end) for group in self.replicas for r in group if r.peer_id == peer_id), (0, 1))
+        report_failure(self.client.router, peer_id, error, span, started)
 
     def failure(self, peer_id: str, error: BaseException, started: float) -> StageFailure:
         """What a broken stream, a timeout or a chain's ``failed_peer`` becomes: the step is retried without it."""

@@ -1,5 +1,6 @@
 """How a peer refuses: ``RequestError`` (with the reason), and the refusals a client must tell apart: not admitted
-(final) and capacity (retry later or elsewhere, not a failure)."""
+(final), capacity (retry later or elsewhere, not a failure) and moved (the peer serves another span now: route
+elsewhere, not a failure)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,28 @@ CAPACITY_REFUSAL = "busy:"  # how a refusal for lack of capacity starts: retry l
 class CapacityError(RequestError):
     """A peer has no room for this request now (its cache, or this client's share of it, is full)."""
 
+
+MOVED_REFUSAL = "moved:"  # how a peer that changed its span refuses work on its old one: re-route, not a failure
+
+
+class MovedError(RequestError):
+    """The peer no longer serves the blocks asked for (it moved to another span, or became a backup): it is healthy,
+    so no ban; re-fetch the swarm's records and route (or replay) that span elsewhere."""
+
+
+def moved_refusal(now: tuple[int, int] | None, before: tuple[int, int] | None, what: str = "") -> str:
+    """The text of a ``MovedError``: what the peer serves now (None: nothing, a backup) and what it served (None:
+    nothing, a peer that started as a backup)."""
+    serves = f"now serves {now[0]}:{now[1]}" if now is not None else "is a backup and serves no blocks"
+    served = f" (it served {before[0]}:{before[1]})" if before is not None else ""
+    return (f"{MOVED_REFUSAL} this peer {serves}{served}{'; ' + what if what else ''}; refresh your view of the "
+            f"swarm and route those blocks elsewhere")
+
+
+def is_moved(error: BaseException) -> bool:
+    """Whether ``error`` (a refusal, or a chain's report of a peer that refused) says a peer moved."""
+    text = str(error)
+    return isinstance(error, MovedError) or text.startswith(MOVED_REFUSAL) or f": {MOVED_REFUSAL}" in text
 
 
 
