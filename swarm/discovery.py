@@ -19,8 +19,10 @@ from privacy.files import write_private
 from privacy.identity import Identity
 from privacy.peer_ids import libp2p_private_key, peer_id_of
 from swarm import safe_msgpack
-from swarm.keys import peers_key
+from swarm.keys import peers_key, plans_key
 from swarm.nat import NatOptions, SwarmP2P, circuit_addrs
+from swarm.plan.signed import PlanRejected, sign_plan, verify_plan
+from swarm.plan.types import Plan
 from swarm.reachability import (
     DialBackService,
     Reachability,
@@ -31,7 +33,8 @@ from swarm.reachability import (
 from swarm.records import PeerRecord
 from swarm.startup_checks import IdentityClaim, StartupRefused, check_identity_offline, check_ports_free
 
-__all__ = ["NatOptions", "StartupRefused", "SwarmNode", "announce", "fetch_records", "start_node", "visible_maddrs"]
+__all__ = ["NatOptions", "StartupRefused", "SwarmNode", "announce", "announce_plan", "fetch_plans", "fetch_records",
+           "start_node", "visible_maddrs"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +94,43 @@ async def fetch_records(node: DHTNode, model: str) -> Snapshot:
         logger.warning("%d record(s) under %s are sealed: this is a private swarm; join it with --private "
                        "CREDENTIALS --identity_path ID from its owner's `swarm invite`", sealed, peers_key(model))
     return Snapshot(sorted(records, key=lambda r: r.peer_id), sealed)
+
+
+async def announce_plan(node: DHTNode, plan: Plan, identity: Identity, ttl: float) -> bool:
+    """Publish ``plan`` signed by ``identity`` (its broker) under the model's plans key, subkey = the broker's peer
+    id, valid for ``ttl`` seconds. In a private swarm the node's record validator also seals it for members."""
+    return await node.store(
+        plans_key(plan.model), subkey=plan.broker, value=sign_plan(plan, identity),
+        expiration_time=get_dht_time() + ttl, await_all_replicas=False,
+    )
+
+
+_warned_plans: dict[tuple[str, str], None] = {}  # (subkey, reason) of plans already reported in the log
+_MAX_WARNED = 1024
+
+
+async def fetch_plans(node: DHTNode, model: str) -> list[Plan]:
+    """Every unexpired plan of ``model`` whose broker signed it and stored it under its own peer id, sorted by
+    broker. Anything else (malformed, forged, misplaced, another model's, sealed for a private swarm's members)
+    is dropped, logged once; it never raises."""
+    found = await node.get(plans_key(model), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    plans = []
+    for subkey, item in found.value.items():
+        value = getattr(item, "value", None)
+        if isinstance(value, dict) and {"nonce", "ct", "sig"} <= value.keys():  # sealed: not a member
+            continue
+        try:
+            plans.append(verify_plan(value, subkey, model))
+        except PlanRejected as e:
+            warned = (str(subkey)[:80], str(e)[:200])
+            if warned not in _warned_plans:
+                if len(_warned_plans) >= _MAX_WARNED:
+                    _warned_plans.pop(next(iter(_warned_plans)))
+                _warned_plans[warned] = None
+                logger.warning("Dropped a plan under %s: %s", plans_key(model), e)
+    return sorted(plans, key=lambda p: (p.broker, p.run_id))
 
 
 class SwarmNode(DHTNode):

@@ -25,3 +25,8 @@ def peers_key(model: str) -> str:
 def revocations_key() -> str:
     """The key under which members of a private swarm keep its owner's newest revocation; subkey: peer id."""
     return f"{KEY_PREFIX}.revocations"
+
+
+def plans_key(model: str) -> str:
+    """The key under which brokers publish their signed plans for ``model``; the subkey is the broker's peer id."""
+    return f"{KEY_PREFIX}.{check_model_name(model)}.plans"

@@ -12,7 +12,10 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from privacy.peer_ids import short_id
+from swarm.estimator import ModelShape
 from swarm.links import LinkTable
+from swarm.plan.route import plan_route
+from swarm.plan.types import Plan
 from swarm.records import PeerRecord, PeerState
 
 logger = logging.getLogger(__name__)
@@ -193,8 +196,14 @@ class Router:
         missing_grace: float = 3.0,
         busy_time: float = 1.0,
         max_wait: float = 30.0,
+        fetch_plans: Callable[[], Awaitable[list[Plan]]] | None = None,
+        shape: ModelShape | None = None,
+        client_id: str | None = None,
     ) -> None:
         self._fetch, self.model, self.missing_grace = fetch, model, missing_grace
+        # plans the peers follow: with the model's shape, a route goes along the group nearest this client
+        self._fetch_plans, self.shape, self.client_id = fetch_plans, shape, client_id
+        self.plans: list[Plan] = []
         self.refresh_period, self.ban_time, self.max_ban_time = refresh_period, ban_time, max_ban_time
         self.busy_time = busy_time
         self.max_wait = max_wait  # seconds make_chain waits for banned or busy peers before it raises
@@ -211,6 +220,7 @@ class Router:
             records = await self._fetch()
             self.sealed = getattr(records, "sealed", 0)
             self.records = self.without_moved(records)
+            self.plans = await self._fetch_plans() if self._fetch_plans is not None else []
             self._fetched_at = time.monotonic()
         return self.records
 
@@ -309,10 +319,16 @@ class Router:
         return PeersUnavailableError(self.model, start, end, peers)
 
     def _chain(self, start: int, end: int) -> list[Hop] | None:
-        """The best chain avoiding banned and busy peers, or None."""
+        """The best chain avoiding banned and busy peers, or None: along the plans' live group the estimator
+        prices fastest for this client (``swarm.plan.route``), else the fastest chain of any online peers."""
+        left_out = self.banned() | self.busy()
+        if self.plans and self.shape is not None:
+            spans = plan_route(self.plans, self.records, self.shape, start, end, client_id=self.client_id,
+                               local=self.links, excluded=left_out)
+            if spans is not None:
+                return [Hop(*span) for span in spans]
         try:
-            return make_chain(self.records, start, end, rtt=self.rtt, banned=self.banned() | self.busy(),
-                              model=self.model)
+            return make_chain(self.records, start, end, rtt=self.rtt, banned=left_out, model=self.model)
         except MissingBlocksError:
             return None
 

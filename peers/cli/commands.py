@@ -62,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="blocks this peer can hold, announced for plans (default: what free memory holds)")
     peer.add_argument("--no_follow", dest="follow_plans", action="store_false",
                       help="never move this peer when the swarm's plan changes (operator opt-out)")
+    peer.add_argument("--organise", action="store_true",
+                      help="take part in the swarm-wide plan: in a private swarm, follow (and, when elected, make) the "
+                           "broker's plan; in a public one, plan for itself and move only itself (runs' plans are "
+                           "followed anyway, per --trainers)")
     peer.add_argument("--control_socket", type=Path, default=None,
                       help="a local unix socket (mode 0600) taking `move START:END` and `backup` lines (`swarm move`)")
     peer.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
@@ -180,7 +184,7 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         client_cache_share=args.client_cache_share, cache_wait=args.cache_wait,
         require_encryption=not args.allow_plaintext, trainers=parse_trainers(args.trainers),
         checkpoint_dir=args.checkpoint_dir, backup=args.backup, max_blocks=args.max_blocks,
-        follow_plans=args.follow_plans, control_socket=args.control_socket,
+        follow_plans=args.follow_plans, control_socket=args.control_socket, organise=args.organise,
     )
     if args.num_threads:
         import torch
@@ -207,7 +211,7 @@ def _cmd_move(args: argparse.Namespace) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from peers.cli.status import print_status
-    from swarm.discovery import fetch_records, start_node
+    from swarm.discovery import fetch_plans, fetch_records, start_node
 
     swarm = swarm_config(args)
     if not swarm.initial_peers:
@@ -232,13 +236,14 @@ def _cmd_status(args: argparse.Namespace) -> int:
         node = await start_node(initial_peers=swarm.initial_peers, host_maddrs=swarm.host_maddrs, client_mode=True,
                                 identity=identity, record_validator=admission.record_validator(), nat=swarm.nat())
         try:
-            return await asyncio.wait_for(fetch_records(node, name), swarm.dht_timeout)
+            records = await asyncio.wait_for(fetch_records(node, name), swarm.dht_timeout)
+            return records, await asyncio.wait_for(fetch_plans(node, name), swarm.dht_timeout)
         finally:
             await node.shutdown()
 
-    records = asyncio.run(snapshot())
+    records, plans = asyncio.run(snapshot())
     total = total or max((r.end for r in records), default=0)
-    print_status(name, records, total)
+    print_status(name, records, total, plans=plans)
     return 0
 
 

@@ -6,6 +6,8 @@ from rich.console import Console
 from rich.table import Table
 
 from swarm.block_selection import missing_blocks
+from swarm.plan.route import live
+from swarm.plan.types import Group, Plan
 from swarm.records import PeerRecord, PeerState
 
 _STATE_STYLE = {
@@ -68,8 +70,45 @@ def _rate(bits_per_second: float) -> str:
     return f"{bits_per_second:.0f} bit/s"
 
 
-def print_status(model: str, records: list[PeerRecord], total_blocks: int, console: Console | None = None) -> None:
-    (console or Console()).print(status_table(model, records, total_blocks))
+def plans_table(plans: list[Plan], records: list[PeerRecord]) -> Table:
+    """One row per group of each plan found: the plan (version, broker, run), the group's stages in pipeline order,
+    its estimated tokens/s, whether its peers serve it now, and the plan's backups."""
+    table = Table(title=f"plans ({len(plans)})")
+    for column in ("plan", "broker", "run", "group", "stages", "est. tokens/s", "serving", "backups"):
+        table.add_column(column, justify="right" if column.startswith("est") else "left")
+    for plan in sorted(plans, key=lambda p: (p.run_id, p.broker)):
+        backups = " ".join(_short(b) for b in plan.backups) or "-"
+        rows: list[tuple[int | None, Group | None]] = list(enumerate(plan.groups)) or [(None, None)]
+        for i, group in rows:
+            first = i in (0, None)
+            table.add_row(
+                f"v{plan.version}" if first else "", _short(plan.broker) if first else "",
+                (plan.run_id or "swarm-wide") if first else "", "-" if i is None else str(i + 1),
+                "-" if group is None else stages_cell(group),
+                "-" if group is None else f"{group.tokens_per_s:,.1f}",
+                "-" if group is None else ("[green]yes[/green]" if live(group, records) else "[yellow]moving[/yellow]"),
+                backups if first else "",
+            )
+    return table
+
+
+def stages_cell(group: Group) -> str:
+    """``...abcd 0:3 -> ...wxyz 3:6``: a group's stages in pipeline order."""
+    return " -> ".join(f"{_short(s.peer_id)} {s.start}:{s.end}" for s in group.stages)
+
+
+def _short(peer_id: str) -> str:
+    return f"...{peer_id[-4:]}"
+
+
+def print_status(model: str, records: list[PeerRecord], total_blocks: int, console: Console | None = None,
+                 plans: list[Plan] | None = None) -> None:
+    console = console or Console()
+    console.print(status_table(model, records, total_blocks))
+    if plans:
+        console.print(plans_table(plans, records))
+    elif plans is not None:
+        console.print("no plan published (peers keep the blocks they chose; clients route on their own)")
 
 
 def _ranges(blocks: list[int]) -> str:

@@ -60,6 +60,10 @@ def add_train_command(sub) -> None:
                        help="chain: each stage hands its output straight to the next one (this process's link carries "
                             "the first stage's input and the last one's output only); star: every hidden state and "
                             "gradient goes through this process")
+    train.add_argument("--plan", action="store_true",
+                       help="be the broker of this run: plan it from the swarm's peers and links, publish the plan "
+                            "(signed), wait for the peers that allow this trainer to move to it, and train on its "
+                            "group nearest this process; a failed stage is re-planned around (a backup takes over)")
     train.set_defaults(func=_cmd_train)
 
 
@@ -153,7 +157,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                                average_every=config.average_every, outer_lr=config.outer_lr,
                                outer_momentum=config.outer_momentum, rechoose_every=config.rechoose_every,
                                pipeline_wait=args.wait_peers,  # also for a stage's peer that restarts mid-run
-                               topology=args.topology)
+                               topology=args.topology, plan=args.plan)
         path = trainer_checkpoint_path(config.checkpoint_dir, run_id) if config.checkpoint_dir else None
         resumed = path is not None and _resume(trainer, path, config, batches, console)
         extra = {**{k: getattr(config, k) for k in GEOMETRY}, "model": client.model_name,

@@ -29,8 +29,10 @@ from peers.wire.stream import PeerStream
 from privacy.admission import proof_context
 from privacy.errors import MembershipError
 from privacy.peer_ids import public_key_of
-from swarm.discovery import Snapshot, fetch_records, start_node
+from swarm.discovery import Snapshot, fetch_plans, fetch_records, start_node
+from swarm.estimator import ModelShape
 from swarm.keys import check_model_name
+from swarm.plan.types import Plan
 from swarm.records import PeerRecord
 from swarm.revocations import keep_revocations
 from swarm.routing import NoRouteError, Router
@@ -98,6 +100,10 @@ class SwarmClient:
             refresh_period=config.refresh_period,
             ban_time=config.ban_time,
             max_ban_time=config.max_ban_time,
+            fetch_plans=self._fetch_plans,  # a plan's groups: route along the one nearest us (swarm.plan.route)
+            shape=ModelShape(self.model_config.hidden_size, self.model_config.num_layers,
+                             torch.finfo(self.dtype).bits // 8),
+            client_id=str(self.node.peer_id),
         )
         # every reply's timing, less the peer's reported compute, feeds the router's network estimates (passive)
         self._links = PeerLinks(self.node.p2p, self.admission, encrypt=config.encrypt,
@@ -269,6 +275,14 @@ class SwarmClient:
         request = runtime_pb2.ExpertRequest(metadata=InfoRequest(proof=proof).to_bytes())
         reply = await stub.rpc_info(request, timeout=self.config.request_timeout)
         return StageInfo.from_bytes(reply.serialized_info)
+
+    async def _fetch_plans(self) -> list[Plan]:
+        """The signed plans of our model (none if the DHT does not answer: routing then ignores plans)."""
+        try:
+            return await asyncio.wait_for(fetch_plans(self.node, self.model_name), self.config.swarm.dht_timeout)
+        except Exception as e:
+            logger.debug("Could not fetch plans (%r); routing without them", e)
+            return []
 
     async def _fetch(self) -> Snapshot:
         """The swarm as this client may use it: only peers it trusts (``allowed_peers`` / ``blocked_peers``)."""

@@ -103,6 +103,7 @@ class StageServerConfig:
     backup: bool = False
     max_blocks: int | None = None
     follow_plans: bool = True
+    organise: bool = False  # take part in the swarm-wide plan (private: the broker's; public: its own), not only runs'
     control_socket: Path | None = None
 
     def __post_init__(self) -> None:

@@ -39,6 +39,7 @@ from peers.server.control import close_control, serve_control
 from peers.server.handler import StageHandler
 from peers.server.kv_sessions import SessionRegistry
 from peers.server.memory import block_bytes, free_bytes, holdable_blocks
+from peers.server.plan_follower import plan_following
 from peers.server.prober import LinkProber
 from peers.server.training_rpc import TrainingRPC, fetch_params
 from peers.wire.errors import moved_refusal
@@ -154,7 +155,8 @@ class StageServer:
                 handler = self._make_handler(stage.backend, stage.info, stage.sessions, stage.training)
             self.handler = handler
             reaper = asyncio.gather(self._reap_forever(), keep_revocations(  # they raise if we are shut out
-                self.node, self.admission, period=self.config.update_period), self.announcer.wait())
+                self.node, self.admission, period=self.config.update_period), self.announcer.wait(),
+                *plan_following(self))  # moves this peer to its place in the plan it trusts (--no_follow: none)
             await handler.add_p2p_handlers(self.node.p2p)
             addresses = tuple(await visible_maddrs(self.node))  # announced or relayed ones (swarm.discovery)
             self.announcer.update(state=PeerState.BACKUP if self.config.backup else PeerState.ONLINE,

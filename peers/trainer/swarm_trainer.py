@@ -52,6 +52,7 @@ from peers.model.local import default_position_ids
 from peers.trainer import chain
 from peers.trainer.pipeline import stage_groups
 from peers.trainer.replay import StageShare, StepRecord, recover
+from peers.trainer.run_plan import RunPlanner
 from peers.training import OptimConfig, PartOptimizer, loss_of, unique_parameters
 from peers.wire.errors import ChainError, MovedError, RequestError
 from peers.wire.messages import TrainApply, TrainBackward, TrainForward, TrainOpen
@@ -95,7 +96,7 @@ class SwarmTrainer:
                  run_id: str | None = None, keep_activations: bool = True, recompute: bool = False,
                  checkpoint_every: int = 0, average_every: int = 0, outer_lr: float = 1.0,
                  outer_momentum: float = 0.0, rechoose_every: float = 30.0, pipeline_wait: float = 60.0,
-                 topology: str = "chain") -> None:
+                 topology: str = "chain", plan: bool = False) -> None:
         if accumulation < 1 or in_flight < 1:
             raise ValueError("accumulation and in_flight must be >= 1")
         if topology not in TOPOLOGIES:
@@ -131,6 +132,9 @@ class SwarmTrainer:
         self.stages: list[PeerRecord] = []
         self.steps_done = 0
         self.bytes_sent = 0  # hidden-state bytes the trainer sent to stages (before encryption overhead)
+        # plan=True: this trainer is the broker of its run: it plans it, publishes the plan, waits for the peers to
+        # move and trains on the plan's group nearest it (peers.trainer.run_plan); else the tiling of swarm.stages
+        self.planner = RunPlanner(self) if plan else None
 
     # ---- synchronous API -------------------------------------------------------------------------
     def start(self, wait: float | None = None) -> list[PeerRecord]:
@@ -234,6 +238,8 @@ class SwarmTrainer:
         self._considered |= considered | {r.peer_id for r in joiners}  # not joiners again (nor slow left-outs)
 
     async def _stage_groups(self, grace: float) -> list[list[PeerRecord]]:
+        if self.planner is not None:
+            return await self.planner.groups(grace)
         return await stage_groups(self, grace, since=self.broken_since or None)
 
     async def train_step_async(self, micro_batches: Sequence[torch.Tensor]) -> StepResult:
@@ -244,9 +250,12 @@ class SwarmTrainer:
         while True:
             self.attempt += 1
             try:
+                if self.planner is not None:
+                    await self.planner.publish()  # its record must outlive the run
                 if not self.stages:
                     await self.start_async()
-                elif self.rechoose_every and time.monotonic() - self._chosen_at >= self.rechoose_every:
+                elif self.rechoose_every and self.planner is None and \
+                        time.monotonic() - self._chosen_at >= self.rechoose_every:  # (a plan picks its group)
                     await self._adopt_joiners()
                 stage_steps: list[int] = [0] * len(self.replicas)
                 stage_busy: list[float] = [0.0] * len(self.replicas)
@@ -273,6 +282,8 @@ class SwarmTrainer:
         self.steps_done += 1
         if self.stages:  # every stage applied it: the run is whole again
             self.broken_since = 0.0
+            if self.planner is not None:
+                self.planner.recovered(len(self.lost_steps))
         busy = [b / len(group) for b, group in zip(stage_busy, self.replicas, strict=True)]  # per replica
         return StepResult(sum(losses), sum(int(m[:, 1:].numel()) for m in micro_batches), stage_steps,
                           time.perf_counter() - started, busy, [s.peer_id for s in self.stages])

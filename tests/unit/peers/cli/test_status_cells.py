@@ -54,3 +54,22 @@ def test_status_table_shows_compute_and_links():
     print_status("m", records, 8, console)
     text = console.export_text()
     assert "0.02 / 0.05" in text and "...wxyz 95 Mbit/s 1.2 ms" in text and "every block is served" in text
+
+
+def test_status_shows_plans_groups_stages_backups_and_version():
+    from swarm.plan.types import Assignment, Group, Plan
+
+    group = Group((Assignment(A, 0, 3), Assignment(B, 3, 8)), seconds_per_token=0.004)
+    plan = Plan(model="m", num_blocks=8, version=7, groups=(group,), backups=(C,), broker=D, run_id="run-x")
+    console = Console(width=250, record=True)
+    records = [rec(end=3), rec(peer_id=B, start=4, end=8)]  # B has not moved to 3:8 yet
+    print_status("m", records, 8, console, plans=[plan])
+    text = console.export_text()
+    assert "v7" in text and "...dddd" in text and "run-x" in text
+    assert "...abcd 0:3 -> ...wxyz 3:8" in text and "250.0" in text and "moving" in text and "...cccc" in text
+    console = Console(width=250, record=True)
+    print_status("m", [rec(end=3), rec(peer_id=B, start=3, end=8)], 8, console, plans=[plan])
+    assert "yes" in console.export_text()
+    console = Console(width=250, record=True)
+    print_status("m", records, 8, console, plans=[])
+    assert "no plan published" in console.export_text()
