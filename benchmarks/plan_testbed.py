@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import random
+import re
 import secrets
 import signal
 import statistics
@@ -72,7 +73,11 @@ HOSTS, DHT_HOST, TRAINER_HOST = 12, 0, 1
 PEER_HOSTS = tuple(range(2, HOSTS))
 MAX_BLOCKS = dict(zip(PEER_HOSTS, (9, 3, 5, 3, 5, 3, 9, 5, 9, 3), strict=True))  # blocks each peer's memory holds
 HOMES_UP = (100, 50, 10, 200, 20, 100, 10, 50, 200, 20, 100, 10)  # Mbit/s upload of h0..h11 (down: 5x, <= 200)
-ARRANGEMENTS = ("random", "least_served", "plan")
+ARRANGEMENTS = ("random", "least_served", "plan", "plan_live")
+READY_BACKUP = re.compile(r"Backup peer (\w+) of \S+ ready")
+PROBE_LINE = re.compile(r"\(probe\)")
+PROBE_WAIT_S = 100.0  # live plan: seconds at most for the peers' link probes before the trainer plans
+CHURN = dict(after_kill=3, after_join=2, join_wait=90, join_links=5)
 TRAIN = dict(accumulation=4, micro_batch=4, seq_len=64, in_flight=4, seed=0)
 GROUP_SIZE = 3  # peers per random group
 console = Console(stderr=True)
@@ -184,7 +189,8 @@ def start_peers(swarm: LocalSwarm, tb: Testbed, model_dir: Path, layout: Layout,
     procs = []
     for h in PEER_HOSTS:
         proc = swarm.start_peer(model_dir, block_indices=layout[h], wait=False, name=f"{tag}-h{h}", host=tb.hosts[h],
-                                extra=["--checkpoint_dir", str(checkpoint_dir), "--identity_path", str(paths[h])])
+                                extra=["--checkpoint_dir", str(checkpoint_dir), "--identity_path", str(paths[h]),
+                                       "--max_blocks", str(MAX_BLOCKS[h])])
         proc.host = h
         procs.append(proc)
     for proc in procs:
@@ -205,6 +211,41 @@ def stop_peers(swarm: LocalSwarm, procs: list[SwarmProcess]) -> None:
         swarm.processes.remove(proc)
 
 
+def wait_for_probes(procs: list[SwarmProcess]) -> tuple[float, int]:
+    """Until every peer has probed most of the others (or ``PROBE_WAIT_S``): the planner needs measured links."""
+    t0 = time.monotonic()
+    while True:
+        counts = [len(PROBE_LINE.findall(p.log())) for p in procs]
+        if min(counts) >= len(procs) - 2 or time.monotonic() - t0 > PROBE_WAIT_S:
+            return round(time.monotonic() - t0, 1), sum(counts)
+        time.sleep(2.0)
+
+
+def start_joiner(swarm: LocalSwarm, tb: Testbed, model_dir: Path, workdir: Path, tag: str, spec: dict
+                 ) -> SwarmProcess:
+    """A new fast peer (memory for every block) in the trainer's host, as a backup; its id goes to the worker."""
+    path = workdir / "ids" / tag / "joiner.id"
+    Identity.load_or_create(path)
+    proc = swarm.start_peer(model_dir, wait=False, name=f"{tag}-joiner", host=tb.hosts[TRAINER_HOST],
+                            extra=["--backup", "--max_blocks", str(BLOCKS), "--identity_path", str(path),
+                                   "--checkpoint_dir", str(workdir / "checkpoints")])
+    proc.peer_id = proc.wait_for(READY_BACKUP, 300).group(1)
+    Path(spec["churn"]["join_id"]).write_text(proc.peer_id)
+    say(f"[{tag}] a new peer joined in the trainer's host h{TRAINER_HOST}: {proc.peer_id[-8:]}")
+    return proc
+
+
+def named(value, names: dict[str, str]):
+    """``value`` with every peer id replaced by its host's name (``h3``), so the JSON reads by host."""
+    if isinstance(value, str):
+        return names.get(value, value)
+    if isinstance(value, list):
+        return [named(v, names) for v in value]
+    if isinstance(value, dict):
+        return {named(k, names): named(v, names) for k, v in value.items()}
+    return value
+
+
 def run_arrangement(name: str, rep: int, ctx: dict) -> dict:
     tb, swarm, workdir = ctx["tb"], ctx["swarm"], ctx["workdir"]
     tag = f"{ctx['matrix']}-{name}-{rep}"
@@ -217,6 +258,8 @@ def run_arrangement(name: str, rep: int, ctx: dict) -> dict:
         out["pipeline"] = [f"h{h}:{layout[h]}" for h in first]
     elif name == "least_served":
         layout, allowed, spans = least_served_layout(ids), list(ids.values()), []
+    elif name == "plan_live":
+        layout, allowed, spans = least_served_layout(ids), [], []
     else:
         plan, layout = static_plan(ids, ctx["block"], tb)
         host_of = {peer: h for h, peer in ids.items()}
@@ -244,17 +287,29 @@ def run_arrangement(name: str, rep: int, ctx: dict) -> dict:
     procs = start_peers(swarm, tb, ctx["model_dir"], layout, paths, workdir / "checkpoints", tag)
     out["served"] = {f"h{p.host}": "{}:{}".format(*p.blocks) for p in procs}
     out["peers_start_s"] = round(time.perf_counter() - t0, 1)
+    joiner: list[SwarmProcess] = []
     try:
         spec = {"model_dir": str(ctx["model_dir"]), "initial_peers": swarm.initial_peers,
                 "address": tb.hosts[TRAINER_HOST].address, "identity_path": str(swarm.trainer_identity()),
-                "allowed": allowed, "wait_records": len(allowed), "run_id": run_id,
+                "allowed": allowed, "wait_records": len(allowed) or len(procs), "run_id": run_id,
                 "train": {**TRAIN, "steps": ctx["steps"], "optim": optim(ctx["steps"])}}
         spec_path, out_path = workdir / f"{tag}.spec.json", workdir / f"{tag}.out.json"
+        if name == "plan_live":
+            out["probe_wait_s"], out["probes"] = wait_for_probes(procs)
+            spec["plan"] = True
+            if ctx["churn"] and rep == ctx["repeats"] - 1:
+                spec["churn"] = {**CHURN, "pids": {ids[p.host]: p.pid for p in procs},
+                                 "join_request": str(workdir / f"{tag}.join"),
+                                 "join_id": str(workdir / f"{tag}.joined")}
         spec_path.write_text(json.dumps(spec))
         worker = tb.spawn(tb.hosts[TRAINER_HOST], [sys.executable, str(HERE / "plan_testbed_worker.py"),
                                                    str(spec_path), str(out_path)], name=f"{tag}-trainer")
         try:
-            worker.wait(timeout=900)
+            deadline = time.monotonic() + 1200
+            while worker.poll() is None and time.monotonic() < deadline:
+                if "churn" in spec and not joiner and Path(spec["churn"]["join_request"]).exists():
+                    joiner.append(start_joiner(swarm, tb, ctx["model_dir"], workdir, tag, spec))
+                time.sleep(0.5)
         finally:
             if worker.poll() is None:
                 os.killpg(worker.pid, signal.SIGKILL)
@@ -264,10 +319,19 @@ def run_arrangement(name: str, rep: int, ctx: dict) -> dict:
                                f"{worker.log_path.read_text(errors='replace')[-4000:]}")
         measured = json.loads(out_path.read_text())
     finally:
-        stop_peers(swarm, procs)
+        stop_peers(swarm, procs + joiner)
     host_of = {peer: h for h, peer in ids.items()}
+    if name == "plan_live":  # the estimator's figure for the group the run's own plan trained on
+        trained = [(p, a, b) for p, a, b in measured["plan"]["trained_on"]]
+        hosts = ctx["hosts_of"](ids)
+        out["estimated_tokens_per_s"] = round(estimate(trained, hosts, ctx["place"], ctx["block"], ctx["client"],
+                                                       None), 1)
+        out["estimated_tokens_per_s_shared_cores"] = round(estimate(trained, hosts, ctx["place"], ctx["block"],
+                                                                    ctx["client"], os.cpu_count()), 1)
+    if joiner:
+        host_of[joiner[0].peer_id] = TRAINER_HOST
     measured["stages"] = [[span, [f"h{host_of[p]}" for p in peers]] for span, peers in measured["stages"]]
-    out.update(measured)
+    out.update(named(measured, {p: f"h{h}" for p, h in host_of.items()}))
     say(f"[{ctx['matrix']}] {name} (repeat {rep}): {measured['tokens_per_s']:.0f} tokens/s, steps "
                   f"{measured['step_seconds']} s" + (f"; estimated {out['estimated_tokens_per_s']:.0f}"
                                                      if "estimated_tokens_per_s" in out else ""))
@@ -290,7 +354,8 @@ def run_matrix(matrix: Matrix, args: argparse.Namespace, model_dir: Path, block:
 
         ctx = {"tb": tb, "swarm": swarm, "workdir": workdir, "matrix": matrix.name, "seed": args.seed,
                "block": block, "client": client, "model_dir": model_dir, "steps": args.steps,
-               "place": OnTestbed(tb), "hosts_of": hosts_of}
+               "place": OnTestbed(tb), "hosts_of": hosts_of, "churn": args.churn and matrix.name == "three_sites",
+               "repeats": args.repeats}
         for rep in range(args.repeats):
             for name in args.arrangements:
                 result["runs"][name].append(run_arrangement(name, rep, ctx))
@@ -304,21 +369,27 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
     """Median tokens/s per arrangement, the ratios and the targets."""
     speed = {name: statistics.median(r["tokens_per_s"] for r in rs) for name, rs in runs.items() if rs}
     out: dict = {"tokens_per_s": {k: round(v, 1) for k, v in speed.items()}}
-    if "plan" in speed:
-        plan = runs["plan"]
-        bound = statistics.median(r["estimated_tokens_per_s"] for r in plan)
-        shared = statistics.median(r["estimated_tokens_per_s_shared_cores"] for r in plan)
-        ratios = {"plan_over_bound": round(speed["plan"] / bound, 3),
-                  "plan_over_bound_shared_cores": round(speed["plan"] / shared, 3)}
-        out["plan_bound_tokens_per_s"] = {"own_cores": round(bound, 1), "shared_cores": round(shared, 1)}
-        targets = {"plan >= 70% of the estimator's bound (each host its own cores)": ratios["plan_over_bound"] >= 0.7,
-                   "plan >= 70% of the estimator's bound (hosts sharing this machine's cores)":
-                       ratios["plan_over_bound_shared_cores"] >= 0.7}
+    ratios: dict = {}
+    targets: dict = {}
+    bounds: dict = {}
+    for ours in ("plan", "plan_live"):
+        if ours not in speed:
+            continue
+        bound = statistics.median(r["estimated_tokens_per_s"] for r in runs[ours])
+        shared = statistics.median(r["estimated_tokens_per_s_shared_cores"] for r in runs[ours])
+        bounds[ours] = {"own_cores": round(bound, 1), "shared_cores": round(shared, 1)}
+        ratios[f"{ours}_over_bound"] = round(speed[ours] / bound, 3)
+        ratios[f"{ours}_over_bound_shared_cores"] = round(speed[ours] / shared, 3)
+        targets[f"{ours} >= 70% of the estimator's bound (each host its own cores)"] = \
+            ratios[f"{ours}_over_bound"] >= 0.7
+        targets[f"{ours} >= 70% of the estimator's bound (hosts sharing this machine's cores)"] = \
+            ratios[f"{ours}_over_bound_shared_cores"] >= 0.7
         for base, need in (("random", 3.0), ("least_served", 1.5)):
             if base in speed:
-                ratios[f"plan_over_{base}"] = round(speed["plan"] / speed[base], 3)
-                targets[f"plan >= {need}x {base}"] = ratios[f"plan_over_{base}"] >= need
-        out["ratios"], out["targets"] = ratios, targets
+                ratios[f"{ours}_over_{base}"] = round(speed[ours] / speed[base], 3)
+                targets[f"{ours} >= {need}x {base}"] = ratios[f"{ours}_over_{base}"] >= need
+    if bounds:
+        out["bound_tokens_per_s"], out["ratios"], out["targets"] = bounds, ratios, targets
     return out
 
 
@@ -330,6 +401,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 6; quick 3)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each arrangement, interleaved")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random arrangement")
+    parser.add_argument("--no_churn", dest="churn", action="store_false",
+                        help="plan_live on three_sites: no stage kill and newcomer in its last run")
     parser.add_argument("--quick", action="store_true", help="three_sites only, 3 steps: a check that it works")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "plan_testbed.json")
     parser.add_argument("--workdir", type=Path, default=None)
@@ -349,9 +422,10 @@ def main() -> None:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="fusionswarm-plan-"))
     model_dir = make_tiny_model(workdir / "llama-plan", seed=0, **MODEL)
     t0 = time.perf_counter()
-    say("timing one block and the trainer's part on this machine (the planner's and estimator's compute)")
+    say("timing one block and the trainer's part on this machine, best of 5 rounds (the planner's and the "
+        "estimator's compute)")
     block, client = calibration.measure_compute(model_dir, context=8, rows=TRAIN["micro_batch"],
-                                                seq_len=TRAIN["seq_len"], rounds=1)
+                                                seq_len=TRAIN["seq_len"])
     result: dict = {"benchmark": "plan_testbed", "quick": args.quick,
                     "machine": f"{platform.machine()}, {os.cpu_count()} cores",
                     "model": {**MODEL, "dtype": "float32"}, "seed": args.seed, "repeats": args.repeats,
