@@ -1,33 +1,42 @@
-"""Our plan against two baselines on the testbed: training tokens/s of three arrangements of the same peers.
+"""Our plan against two baselines on the testbed: training tokens/s of the same peers arranged four ways.
 
-    sudo python benchmarks/plan_testbed.py [--matrices three_sites,homes] [--arrangements random,least_served,plan]
-                                           [--steps 6] [--repeats 1] [--seed 0] [--quick] [--out FILE]
+    sudo python benchmarks/plan_testbed.py [--matrices three_sites,homes]
+                                           [--arrangements random,least_served,plan,plan_live]
+                                           [--steps 6] [--repeats 1] [--seed 0] [--no_churn] [--quick] [--out FILE]
 
 A testbed (``swarm.testbed``, root needed) of 12 hosts: h0 the bootstrap peer, h1 the trainer
-(benchmarks/plan_testbed_worker.py), h2..h11 ten stage peers of a tiny Llama (hidden 256, 12 blocks, fp32; one torch
-thread each) whose memory holds at most ``MAX_BLOCKS`` blocks (4, 6 or 12). Matrices: ``three_sites`` (h0-h3 site a,
-h4-h7 site b, h8-h11 site c: 10 Gbit/s inside a site, 100 Mbit/s between a and b, 8 Mbit/s to c) and ``homes``
-(every host on its own home line, uploads 10-200 Mbit/s, downloads 5x that up to 200 Mbit/s, seeded per host: see
-``HOMES_UP``). No latency (this kernel has no netem). Each arrangement starts its own ten peers (fresh identities,
-the same hosts and memory), trains ``--steps`` steps of 4 micro-batches of 4 x 64 tokens, 4 in flight, chain data
-path, from the same step-0 checkpoint, then stops them; with ``--repeats`` the arrangements are interleaved:
+(benchmarks/plan_testbed_worker.py), h2..h11 ten stage peers of a tiny Llama (hidden 64, 9 blocks, fp32; one torch
+thread each: a block's compute is small beside an activation of 64 floats per token on a slow link, even on
+this 2-core machine) whose memory holds
+``MAX_BLOCKS`` blocks (3, 5 or 9: ``--max_blocks``). Matrices: ``three_sites`` (h0-h3 site a, h4-h7 site b, h8-h11
+site c: 10 Gbit/s inside a site, 100 Mbit/s between a and b, 8 Mbit/s to c) and ``homes`` (every host on its own
+home line: uploads of 10-200 Mbit/s, ``HOMES_UP``, downloads 5x that up to 200 Mbit/s). No latency (this kernel has
+no netem). Each arrangement starts its own ten peers (fresh identities, the same hosts and memory), trains
+``--steps`` steps of 4 micro-batches of 8 x 64 tokens, 4 in flight, chain data path, from the same step-0
+checkpoint, then stops them; with ``--repeats`` the arrangements are interleaved:
 
 * ``random``: the peers shuffled (seeded) into groups of three, each group cut at random points (each stage within
   its peer's memory), the leftover peer on a random span; the trainer trains on the first group.
-* ``least_served``: today's rule with equal cuts: each peer in turn takes the least-served window of 4 blocks (a third;
-  ``swarm.block_selection.choose_blocks`` on the spans of the peers before it, as ``--num_blocks 4`` does when peers
-  start one after the other; here they then start at once with those spans); the trainer picks its stages as today
-  (``swarm.stages``: whole spans tiling the blocks, every replica of a span sharing the micro-batches).
-* ``plan``: a static plan: the planner (``swarm.plan.make_plan``) on the peers' measured compute (one block timed on
-  this machine: every host shares its CPUs), their memory and the configured link rates; peers started with the
-  planned spans (backups on a span of their own, unused); the trainer trains on the plan's group it gets most from
-  (the estimator's tokens/s for the trainer's links).
+* ``least_served``: today's rule with equal cuts: each peer in turn takes the least-served window of 3 blocks (a
+  third; ``swarm.block_selection.choose_blocks`` on the spans of the peers before it, as ``--num_blocks 3`` does when
+  peers start one after the other; here they then start at once with those spans); the trainer picks its stages as
+  today (``swarm.stages``: whole spans tiling the blocks, every replica of a span sharing the micro-batches).
+* ``plan`` (static): the planner (``swarm.plan.make_plan``) on the peers' compute (one block timed on this machine,
+  best of 5 rounds: every host shares its CPUs), their memory and the configured link rates; peers started with
+  the planned spans (backups on a span of their own, unused); the trainer trains on the plan's group the estimator
+  prices fastest for the trainer's links.
+* ``plan_live``: the live path: peers start on the least-served spans with ``--max_blocks``, probe their links
+  (up to ``PROBE_WAIT_S``), and the trainer is its run's broker (``SwarmTrainer(plan=True)``): it plans from the
+  swarm's records, publishes, the peers move, it trains on the group it prices fastest. In the last ``plan_live``
+  run on ``three_sites`` (unless ``--no_churn``), after the timed steps: one stage peer of that group is SIGKILLed
+  (steps lost, seconds until the next step ends, the plan that replaced it), then a new peer (memory for every
+  block) joins as a backup in the trainer's host, and the run is planned again: its place in the next plan.
 
 Reported: each arrangement's tokens/s (the trainer's, after the first step, which opens the run), the estimator's
-figure for the random pipeline and the plan's group (configured rates, the compute timed here; each host with its
-own cores, and every host sharing this machine's cores), and the ratios plan/random, plan/least_served,
-plan/bound. Every namespace and process is removed at the end (the ``Testbed`` context manager), also on failure.
-Prints JSON and writes it to ``--out`` (not with ``--quick``: one matrix, 3 steps, a check that it works).
+figure for the pipelines that have one (configured rates, the compute timed here; each host with its own cores, and
+every host sharing this machine's cores), and the ratios plan/random, plan/least_served, plan/bound. Every namespace
+and process is removed at the end (the ``Testbed`` context manager), also on failure. Prints JSON and writes it to
+``--out`` (not with ``--quick``: three_sites only, 3 steps, a check that it works).
 """
 
 from __future__ import annotations
@@ -67,7 +76,7 @@ from swarm.testbed import Testbed, require_root  # noqa: E402
 from swarm.testbed.cleanup import leftovers, nothing_left  # noqa: E402
 from swarm.testbed.matrices import MATRICES, MBIT, Matrix  # noqa: E402
 
-MODEL = dict(family="llama", hidden_size=128, num_layers=9, num_heads=4, num_kv_heads=2, intermediate_size=256)
+MODEL = dict(family="llama", hidden_size=64, num_layers=9, num_heads=4, num_kv_heads=2, intermediate_size=128)
 BLOCKS = MODEL["num_layers"]
 HOSTS, DHT_HOST, TRAINER_HOST = 12, 0, 1
 PEER_HOSTS = tuple(range(2, HOSTS))
@@ -78,7 +87,7 @@ READY_BACKUP = re.compile(r"Backup peer (\w+) of \S+ ready")
 PROBE_LINE = re.compile(r"\(probe\)")
 PROBE_WAIT_S = 100.0  # live plan: seconds at most for the peers' link probes before the trainer plans
 CHURN = dict(after_kill=3, after_join=2, join_wait=90, join_links=5)
-TRAIN = dict(accumulation=4, micro_batch=4, seq_len=64, in_flight=4, seed=0)
+TRAIN = dict(accumulation=4, micro_batch=8, seq_len=64, in_flight=4, seed=0)
 GROUP_SIZE = 3  # peers per random group
 console = Console(stderr=True)
 
@@ -358,7 +367,12 @@ def run_matrix(matrix: Matrix, args: argparse.Namespace, model_dir: Path, block:
                "repeats": args.repeats}
         for rep in range(args.repeats):
             for name in args.arrangements:
-                result["runs"][name].append(run_arrangement(name, rep, ctx))
+                try:
+                    result["runs"][name].append(run_arrangement(name, rep, ctx))
+                except Exception as e:  # reported, and the other arrangements still run
+                    say(f"[{matrix.name}] {name} (repeat {rep}) failed: {e}")
+                    result.setdefault("failed", []).append({"arrangement": name, "repeat": rep,
+                                                            "error": str(e)[-3000:]})
         pids = tb.pids()
     result["nothing_left"] = nothing_left(leftovers(prefix, pids))
     result.update(summarise(result["runs"]))

@@ -92,7 +92,7 @@ def churn(spec: dict, trainer: SwarmTrainer, batches: TokenBatches) -> dict:
     before = plan_of(trainer)
     done_before = trainer.steps_done
     killed = time.monotonic()
-    os.killpg(spec["pids"][victim], signal.SIGKILL)
+    os.killpg(c["pids"][victim], signal.SIGKILL)
     after = []
     for _ in range(c["after_kill"]):
         result = step()
@@ -105,13 +105,13 @@ def churn(spec: dict, trainer: SwarmTrainer, batches: TokenBatches) -> dict:
                  "lost_steps": [{k: v for k, v in lost.items() if k != "message"} for lost in trainer.lost_steps],
                  "plan_after_kill": replaced,
                  "victim_replaced_by": sorted(set(p for p, _, _ in replaced["trained_on"]) - set(stages))}
-    Path(spec["join_request"]).write_text("join")
+    Path(c["join_request"]).write_text("join")
     deadline = time.monotonic() + 300
-    while not Path(spec["join_id"]).exists():
+    while not Path(c["join_id"]).exists():
         if time.monotonic() > deadline:
             raise TimeoutError("the benchmark started no newcomer")
         time.sleep(0.5)
-    newcomer = Path(spec["join_id"]).read_text().strip()
+    newcomer = Path(c["join_id"]).read_text().strip()
     t0 = time.monotonic()
     while time.monotonic() - t0 < c["join_wait"]:  # its record, with the links it measured when it joined
         record = next((r for r in trainer.client.records() if r.peer_id == newcomer), None)
