@@ -43,11 +43,9 @@ def _client_bytes(client: SwarmClient) -> int:
 
 
 @pytest.fixture(scope="module")
-def chain_swarm(llama_dir, tmp_path_factory) -> Iterator[LocalSwarm]:
-    with LocalSwarm(tmp_path_factory.mktemp("chain_swarm"), update_period=2.0) as swarm:
-        swarm.start_dht()
-        _start(swarm, llama_dir, SPANS)
-        yield swarm
+def chain_swarm(three_hop_swarm) -> LocalSwarm:
+    """Peers for blocks 0:3, 3:6 and 6:8 (shared with other modules: ``conftest.py``)."""
+    return three_hop_swarm
 
 
 def test_logits_and_tokens_equal_one_process_in_both_topologies(chain_swarm, llama_dir):

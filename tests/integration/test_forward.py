@@ -45,15 +45,11 @@ def test_partial_span_through_one_peer(llama_client, llama_dir):
     assert (got - expected).abs().max().item() < 1e-4
 
 
-def test_gpt2_logits_match_local_model(gpt2_dir, tmp_path):
-    with LocalSwarm(tmp_path, update_period=2.0) as swarm:
-        swarm.start_dht()
-        procs = [swarm.start_peer(gpt2_dir, block_indices=s, wait=False) for s in ("0:2", "2:4", "4:6")]
-        for proc in procs:
-            swarm.wait_ready(proc)
-        with SwarmClient(gpt2_dir, initial_peers=swarm.initial_peers) as client:
-            input_ids = torch.randint(0, 256, (2, 11))
-            logits = client.forward(input_ids)
+def test_gpt2_logits_match_local_model(gpt2_dir, three_hop_swarm):
+    """Through GPT-2 blocks 0:2, 2:4 and 4:6 on three peers."""
+    with SwarmClient(gpt2_dir, initial_peers=three_hop_swarm.initial_peers) as client:
+        input_ids = torch.randint(0, 256, (2, 11))
+        logits = client.forward(input_ids)
     expected = _reference(gpt2_dir, input_ids)
     assert (logits - expected).abs().max().item() < 1e-4
 

@@ -18,20 +18,10 @@ from peers.client.textgen import eos_ids, load_tokenizer
 from peers.model import LocalModel
 
 
-def _start(swarm: LocalSwarm, model_dir, spans) -> None:
-    procs = [swarm.start_peer(model_dir, block_indices=s, wait=False) for s in spans]
-    for proc in procs:
-        swarm.wait_ready(proc)
-
-
 @pytest.fixture(scope="module")
-def gen_swarm(llama_dir, gpt2_dir, tmp_path_factory) -> Iterator[LocalSwarm]:
-    """Three peers for each of the tiny Llama and the tiny GPT-2."""
-    with LocalSwarm(tmp_path_factory.mktemp("gen_swarm"), update_period=2.0) as swarm:
-        swarm.start_dht()
-        _start(swarm, llama_dir, ("0:3", "3:6", "6:8"))
-        _start(swarm, gpt2_dir, ("0:2", "2:4", "4:6"))
-        yield swarm
+def gen_swarm(three_hop_swarm) -> LocalSwarm:
+    """Three peers for each of the tiny Llama and the tiny GPT-2 (shared with other modules: ``conftest.py``)."""
+    return three_hop_swarm
 
 
 @pytest.fixture(scope="module")

@@ -51,8 +51,8 @@ def test_killed_peer_expires_and_replica_serves(fresh_swarm, llama_dir):
 
 
 def test_num_blocks_fills_the_missing_blocks(fresh_swarm, llama_dir):
-    fresh_swarm.start_peer(llama_dir, block_indices="0:2")
-    fresh_swarm.start_peer(llama_dir, block_indices="6:8")
+    for proc in [fresh_swarm.start_peer(llama_dir, block_indices=span, wait=False) for span in ("0:2", "6:8")]:
+        fresh_swarm.wait_ready(proc)
     status = subprocess.run(
         [sys.executable, "-m", "peers.cli", "status", str(llama_dir), "--initial_peers", *fresh_swarm.initial_peers],
         capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"},

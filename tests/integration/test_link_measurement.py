@@ -61,9 +61,10 @@ def test_router_holds_network_time_not_the_peers_compute(tmp_path, heavy_dir):
 
 @pytest.fixture
 def probed_swarm(fresh_swarm, llama_dir) -> Iterator[tuple[LocalSwarm, list]]:
-    first = fresh_swarm.start_peer(llama_dir, block_indices="0:4")
-    second = fresh_swarm.start_peer(llama_dir, block_indices="4:8")
-    yield fresh_swarm, [first, second]
+    procs = [fresh_swarm.start_peer(llama_dir, block_indices=span, wait=False) for span in ("0:4", "4:8")]
+    for proc in procs:
+        fresh_swarm.wait_ready(proc)
+    yield fresh_swarm, procs
 
 
 def test_a_joining_peer_probes_the_others_and_publishes_its_links(probed_swarm, llama_dir):

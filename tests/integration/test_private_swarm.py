@@ -97,11 +97,12 @@ def test_non_member_announcements_are_rejected(private_swarm, llama_dir):
 
 
 def test_expired_certificate_is_refused(private_swarm, llama_dir):
+    issued = time.time()  # before the certificate: it expires by issued + 6 s
     config = private_swarm.swarm_config("shortlived", ttl=6.0)
     with _client(private_swarm, llama_dir, config) as client:
         client.wait_for_records(2)
         client.forward(torch.tensor([[1, 2, 3]]))  # valid now
-        time.sleep(6.5)
+        time.sleep(max(0.0, issued + 6.5 - time.time()))
         peer_id = _peer_ids(private_swarm)[0]
         with pytest.raises(Exception, match="expired"):
             client.info(peer_id)

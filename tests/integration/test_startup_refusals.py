@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from peers.cli.launch import READY_DHT, READY_PEER, LocalSwarm, SwarmProcess
+from peers.cli.launch import READY_DHT, READY_PEER, LocalSwarm, SwarmProcess, stop_all
 
 UNRETRIEVED = "exception was never retrieved"
 
@@ -28,6 +28,22 @@ def spawned(tmp_path) -> Iterator[list[SwarmProcess]]:
     finally:
         for proc in reversed(procs):
             proc.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_dht(tmp_path_factory) -> Iterator[LocalSwarm]:
+    with LocalSwarm(tmp_path_factory.mktemp("refusals"), update_period=1.0) as swarm:
+        swarm.start_dht()
+        yield swarm
+
+
+@pytest.fixture
+def dht_swarm(shared_dht) -> Iterator[LocalSwarm]:
+    """The module's bootstrap peer, for tests that leave it running; the peers a test starts stop after it."""
+    before = len(shared_dht.processes)
+    yield shared_dht
+    stop_all(shared_dht.processes[before:])
+    del shared_dht.processes[before:]
 
 
 def spawn(procs: list[SwarmProcess], tmp_path: Path, name: str, *args: str) -> SwarmProcess:
@@ -83,26 +99,26 @@ def test_finding_13_second_dht_with_the_same_identity_refuses(tmp_path, spawned)
     assert first.popen.poll() is None  # the first one is undisturbed
 
 
-def test_finding_13_second_peer_with_the_same_identity_refuses(fresh_swarm, llama_dir, tmp_path):
-    identity = tmp_path / "peer.id"
-    first = fresh_swarm.start_peer(llama_dir, block_indices="0:8", extra=["--identity_path", str(identity)])
-    second = fresh_swarm.start_peer(llama_dir, block_indices="0:8", extra=["--identity_path", str(identity)],
+def test_finding_13_second_peer_with_the_same_identity_refuses(dht_swarm, llama_dir, tmp_path):
+    swarm, identity = dht_swarm, tmp_path / "peer.id"
+    first = swarm.start_peer(llama_dir, block_indices="0:8", extra=["--identity_path", str(identity)])
+    second = swarm.start_peer(llama_dir, block_indices="0:8", extra=["--identity_path", str(identity)],
                                     wait=False)
     assert outcome(second, READY_PEER) not in (None, 0), second.log()
     assert f"identity file {identity} is already used by another running swarm node" in second.log()
     # the first keeps its peer id and its lock; once it stopped, the identity may start again
     stop_cleanly(first)
-    again = fresh_swarm.start_peer(llama_dir, block_indices="0:8", extra=["--identity_path", str(identity)])
+    again = swarm.start_peer(llama_dir, block_indices="0:8", extra=["--identity_path", str(identity)])
     assert again.peer_id == first.peer_id
 
 
-def test_finding_13_a_copy_of_an_online_identity_refuses(fresh_swarm, llama_dir, tmp_path):
+def test_finding_13_a_copy_of_an_online_identity_refuses(dht_swarm, llama_dir, tmp_path):
     """Another machine with a copy of the file: the swarm already has a node with this peer id."""
-    identity, copy = tmp_path / "peer.id", tmp_path / "elsewhere" / "peer.id"
-    first = fresh_swarm.start_peer(llama_dir, block_indices="0:8", extra=["--identity_path", str(identity)])
+    swarm, identity, copy = dht_swarm, tmp_path / "peer.id", tmp_path / "elsewhere" / "peer.id"
+    first = swarm.start_peer(llama_dir, block_indices="0:8", extra=["--identity_path", str(identity)])
     copy.parent.mkdir()
     shutil.copy2(identity, copy)
-    second = fresh_swarm.start_peer(llama_dir, block_indices="0:8", extra=["--identity_path", str(copy)],
+    second = swarm.start_peer(llama_dir, block_indices="0:8", extra=["--identity_path", str(copy)],
                                     wait=False)
     assert outcome(second, READY_PEER) not in (None, 0), second.log()
     log = second.log()
@@ -122,14 +138,12 @@ def test_finding_14_dht_on_a_taken_port_refuses(tmp_path, spawned):
     assert "--initial_peers" not in log
 
 
-def test_finding_14_peer_on_a_taken_port_refuses(tmp_path, llama_dir):
-    with LocalSwarm(tmp_path, update_period=1.0) as swarm:
-        swarm.start_dht()
-        taken = swarm.initial_peers[0].split("/p2p/")[0]  # the bootstrap peer's own address
-        peer = swarm.start_peer(llama_dir, block_indices="0:8", extra=["--host_maddrs", taken], wait=False)
-        assert outcome(peer, READY_PEER) not in (None, 0), peer.log()
-        log = peer.log()
-        assert f"--host_maddrs {taken}: TCP port" in log and "choose another port" in log, log
+def test_finding_14_peer_on_a_taken_port_refuses(dht_swarm, llama_dir):
+    taken = dht_swarm.initial_peers[0].split("/p2p/")[0]  # the bootstrap peer's own address
+    peer = dht_swarm.start_peer(llama_dir, block_indices="0:8", extra=["--host_maddrs", taken], wait=False)
+    assert outcome(peer, READY_PEER) not in (None, 0), peer.log()
+    log = peer.log()
+    assert f"--host_maddrs {taken}: TCP port" in log and "choose another port" in log, log
 
 
 def daemon_of(proc: SwarmProcess) -> int:

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.nn.utils import vector_to_parameters
 
 from peers.cli.launch import LocalSwarm
 from peers.client.swarm_client import SwarmClient
@@ -15,7 +16,7 @@ from peers.core.config import ClientConfig, SwarmConfig
 from peers.trainer.swarm_trainer import SwarmTrainer
 from peers.training import LocalTrainer, OptimConfig, TokenBatches, encode_bytes
 from peers.wire.errors import RequestError
-from peers.wire.messages import TrainApply, TrainBackward, TrainForward, TrainOpen
+from peers.wire.messages import ParamsFetch, TrainApply, TrainBackward, TrainForward, TrainOpen
 
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=1, schedule="cosine", total_steps=6, clip_norm=1.0, weight_decay=0.01)
 TEXT = "A swarm of ordinary computers trains one model together, block by block. " * 40
@@ -34,15 +35,8 @@ def _start(workdir, llama_dir) -> LocalSwarm:
 
 @pytest.fixture(scope="module")
 def train_swarm(llama_dir, tmp_path_factory) -> Iterator[LocalSwarm]:
-    """Two stage peers shared by the tests that do not compare weights with a reference."""
+    """Two stage peers shared by the module's tests (a reference takes the weights they serve: ``_reference``)."""
     with _start(tmp_path_factory.mktemp("train_swarm"), llama_dir) as swarm:
-        yield swarm
-
-
-@pytest.fixture
-def fresh_train_swarm(llama_dir, tmp_path) -> Iterator[LocalSwarm]:
-    """Two stage peers with the model's initial weights."""
-    with _start(tmp_path, llama_dir) as swarm:
         yield swarm
 
 
@@ -58,12 +52,24 @@ def _batches(seed: int) -> TokenBatches:
     return TokenBatches(encode_bytes(TEXT), seq_len=16, micro_batch=2, seed=seed)
 
 
-@pytest.mark.parametrize("in_flight, recompute", [(1, False), (3, True)])
-def test_swarm_training_equals_one_process(fresh_train_swarm, llama_dir, in_flight, recompute):
-    """Same parameters and losses as the same steps in one process (fp32), through encrypted streams."""
-    steps, accumulation, train_swarm = 3, 3, fresh_train_swarm
+def _reference(client: SwarmClient, llama_dir, accumulation: int) -> LocalTrainer:
+    """One process with the model's embedding and head and the blocks the peers serve now (earlier tests of the
+    module may have trained them): exactly their parameters, fetched from them."""
     reference = LocalTrainer(llama_dir, OPTIM, accumulation, stages=[(0, 4), (4, 8)])
+    for block, record in zip(reference.blocks, sorted(client.records(), key=lambda r: r.start), strict=True):
+        stream = client.loop.run(client.peer_stream(record.peer_id))
+        _, flat = client.loop.run(stream.call(ParamsFetch(start=record.start, end=record.end), None, 10))
+        with torch.no_grad():
+            vector_to_parameters(flat, block.parameters())
+    return reference
+
+
+@pytest.mark.parametrize("in_flight, recompute", [(1, False), (3, True)])
+def test_swarm_training_equals_one_process(train_swarm, llama_dir, in_flight, recompute):
+    """Same parameters and losses as the same steps in one process (fp32), through encrypted streams."""
+    steps, accumulation = 3, 3
     with _client(train_swarm, llama_dir) as client:
+        reference = _reference(client, llama_dir, accumulation)
         trainer = SwarmTrainer(client, OPTIM, accumulation, in_flight=in_flight, recompute=recompute,
                                checkpoint_every=1, run_id=f"equivalence-{in_flight}-{recompute}")
         trainer.start()
@@ -206,8 +212,10 @@ def test_a_restarted_stage_peer_resumes_from_its_checkpoint(fresh_swarm, llama_d
     swarm = fresh_swarm
     identity = swarm.workdir / "stage1.id"
     flags = ["--checkpoint_dir", str(swarm.workdir / "ckpt"), "--identity_path", str(identity)]
-    swarm.start_peer(llama_dir, block_indices="0:4", name="stage0")
-    stage1 = swarm.start_peer(llama_dir, block_indices="4:8", name="stage1", extra=flags)
+    stage0 = swarm.start_peer(llama_dir, block_indices="0:4", name="stage0", wait=False)
+    stage1 = swarm.start_peer(llama_dir, block_indices="4:8", name="stage1", extra=flags, wait=False)
+    for proc in (stage0, stage1):
+        swarm.wait_ready(proc)
     config = ClientConfig(swarm=swarm.trainer_config(), request_timeout=20)
     hidden = torch.randn(1, 5, 64)
     with SwarmClient(llama_dir, config=config) as client:

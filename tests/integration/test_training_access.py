@@ -118,8 +118,10 @@ def test_finding_12_a_restarted_peer_keeps_newer_weights_and_the_replica_behind_
     swarm = fresh_swarm
     checkpoints = swarm.workdir / "ckpt"
     flags = ["--checkpoint_dir", str(checkpoints), "--identity_path", str(swarm.workdir / "trained.id")]
-    swarm.start_peer(llama_dir, block_indices="0:4", name="stage0")
-    trained = swarm.start_peer(llama_dir, block_indices="4:8", name="trained", extra=flags)
+    stage0 = swarm.start_peer(llama_dir, block_indices="0:4", name="stage0", wait=False)
+    trained = swarm.start_peer(llama_dir, block_indices="4:8", name="trained", extra=flags, wait=False)
+    for proc in (stage0, trained):
+        swarm.wait_ready(proc)
     config = ClientConfig(swarm=swarm.trainer_config(), request_timeout=30)
     hidden, data = torch.randn(1, 5, 64), _batches()
     with SwarmClient(llama_dir, config=config) as client:

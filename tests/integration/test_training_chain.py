@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from torch.nn.utils import vector_to_parameters
 
 from peers.cli.launch import LocalSwarm, SwarmProcess
 from peers.client.swarm_client import SwarmClient
@@ -16,7 +17,7 @@ from peers.trainer import chain
 from peers.trainer.swarm_trainer import SwarmTrainer
 from peers.training import LocalTrainer, OptimConfig, TokenBatches, encode_bytes
 from peers.wire.errors import RequestError
-from peers.wire.messages import TrainPush
+from peers.wire.messages import ParamsFetch, TrainPush
 
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=1, schedule="cosine", total_steps=6, clip_norm=1.0, weight_decay=0.01)
 TEXT = "Each stage hands its output to the next one; the trainer sees the ends of the chain only. " * 40
@@ -46,15 +47,35 @@ def _hidden_bytes(micro: torch.Tensor) -> int:
     return micro.numel() * 64 * 4  # [b, T] tokens x hidden 64 x fp32
 
 
+@pytest.fixture(scope="module")
+def three_stage_swarm(llama_dir, tmp_path_factory) -> Iterator[tuple[LocalSwarm, dict[str, SwarmProcess]]]:
+    """Three stage peers shared by the module's tests that kill none (a reference takes the weights they serve)."""
+    with LocalSwarm(tmp_path_factory.mktemp("three_stages"), update_period=1.0, train=True) as swarm:
+        swarm.start_dht()
+        yield swarm, _peers(swarm, llama_dir, {f"stage{i}": span for i, span in enumerate(THREE)})
+
+
+def _reference(client: SwarmClient, llama_dir, procs: dict[str, SwarmProcess]) -> LocalTrainer:
+    """One process with the model's embedding and head and the blocks the stages serve now (earlier tests of the
+    module may have trained them): exactly their parameters, fetched from them."""
+    reference = LocalTrainer(llama_dir, OPTIM, ACCUMULATION, stages=[(0, 3), (3, 6), (6, 8)])
+    for i, block in enumerate(reference.blocks):
+        proc = procs[f"stage{i}"]
+        stream = client.loop.run(client.peer_stream(proc.peer_id))
+        _, flat = client.loop.run(stream.call(ParamsFetch(start=proc.blocks[0], end=proc.blocks[1]), None, 10))
+        with torch.no_grad():
+            vector_to_parameters(flat, block.parameters())
+    return reference
+
+
 @pytest.mark.parametrize("topology, in_flight, recompute", [("chain", 3, False), ("chain", 2, True),
                                                             ("star", 1, False)])
-def test_three_stages_train_like_one_process(fresh_swarm, llama_dir, topology, in_flight, recompute):
+def test_three_stages_train_like_one_process(three_stage_swarm, llama_dir, topology, in_flight, recompute):
     """Losses equal one process; the trainer sends 2 hidden states per micro-batch in a chain, 2 per stage in a
     star; a middle stage's stream from the trainer carries metadata only in a chain."""
-    swarm = fresh_swarm
-    _peers(swarm, llama_dir, {f"stage{i}": span for i, span in enumerate(THREE)})
-    reference = LocalTrainer(llama_dir, OPTIM, ACCUMULATION, stages=[(0, 3), (3, 6), (6, 8)])
+    swarm, procs = three_stage_swarm
     with _client(swarm, llama_dir, 3) as client:
+        reference = _reference(client, llama_dir, procs)
         trainer = SwarmTrainer(client, OPTIM, ACCUMULATION, in_flight=in_flight, recompute=recompute,
                                run_id=f"three-{topology}-{recompute}", topology=topology)
         trainer.start()
@@ -104,11 +125,6 @@ def test_with_a_replica_chain_and_star_train_alike(tmp_path, llama_dir):
     reference = LocalTrainer(llama_dir, OPTIM, 4, stages=[(0, 4), (4, 8)])
     data = _batches(2)
     assert chained[0] == pytest.approx(reference.train_step([data.next_micro() for _ in range(4)]), abs=1e-6)
-
-
-@pytest.fixture
-def three_stage_swarm(fresh_swarm, llama_dir) -> Iterator[tuple[LocalSwarm, dict[str, SwarmProcess]]]:
-    yield fresh_swarm, _peers(fresh_swarm, llama_dir, {f"stage{i}": span for i, span in enumerate(THREE)})
 
 
 def test_a_push_from_a_peer_the_run_did_not_name_is_refused(three_stage_swarm, llama_dir):

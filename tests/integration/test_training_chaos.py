@@ -8,16 +8,19 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.nn.utils import vector_to_parameters
 
 from peers.cli.launch import LocalSwarm, SwarmProcess
 from peers.client.swarm_client import SwarmClient
 from peers.core.config import ClientConfig
 from peers.trainer.swarm_trainer import SwarmTrainer
 from peers.training import LocalTrainer, OptimConfig, TokenBatches, encode_bytes
+from peers.wire.messages import ParamsFetch
 
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=1, schedule="cosine", total_steps=6, clip_norm=1.0, weight_decay=0.01)
 TEXT = "A stage peer dies, comes back from its checkpoint, and the run goes on as if nothing happened. " * 40
@@ -34,6 +37,55 @@ def _peers(swarm: LocalSwarm, llama_dir, spans: dict[str, str]) -> dict[str, Swa
     for proc in procs.values():
         swarm.wait_ready(proc)
     return procs
+
+
+PAIR = {"stage0": "0:4", "stage1": "4:8"}
+
+
+@pytest.fixture(scope="module")
+def shared_pair(llama_dir, tmp_path_factory) -> Iterator[LocalSwarm]:
+    """Stage peers 0:4 and 4:8 shared by the tests that kill one of them and restart it (same identity and
+    checkpoints; a reference takes the weights they serve: ``_reference``)."""
+    with LocalSwarm(tmp_path_factory.mktemp("chaos_pair"), update_period=1.0, train=True) as swarm:
+        swarm.start_dht()
+        _peers(swarm, llama_dir, PAIR)
+        yield swarm
+
+
+@pytest.fixture
+def pair(shared_pair, llama_dir) -> tuple[LocalSwarm, dict[str, SwarmProcess]]:
+    """The module's pair, each stage's running process by name; a stage that an earlier test killed and did not
+    bring back (it failed) is restarted first."""
+    swarm, procs, dead = shared_pair, {}, {}
+    for name, span in PAIR.items():
+        running = [p for p in swarm.processes if p.name.split("-")[0] == name and p.popen.poll() is None]
+        if running:
+            procs[name] = running[-1]
+        else:
+            dead[name] = span
+    procs.update({name: _restart(swarm, llama_dir, name, wait=False) for name in dead})
+    for proc in procs.values():
+        swarm.wait_ready(proc)  # also one a test restarted without waiting: its peer id is read from its log
+    return swarm, procs
+
+
+def _restart(swarm: LocalSwarm, llama_dir, name: str, wait: bool = True) -> SwarmProcess:
+    """Stage ``name`` again: its identity and checkpoints (a log of its own)."""
+    return swarm.start_peer(llama_dir, block_indices=PAIR[name], name=f"{name}-again{len(swarm.processes)}",
+                            wait=wait, extra=_flags(swarm, name))
+
+
+def _reference(client: SwarmClient, llama_dir, procs: dict[str, SwarmProcess], accumulation: int) -> LocalTrainer:
+    """One process with the model's embedding and head and the blocks the stages serve now (earlier tests of the
+    module trained them): exactly their parameters, fetched from them."""
+    reference = LocalTrainer(llama_dir, OPTIM, accumulation, stages=[(0, 4), (4, 8)])
+    for block, name in zip(reference.blocks, PAIR, strict=True):
+        stream = client.loop.run(client.peer_stream(procs[name].peer_id))
+        _, flat = client.loop.run(stream.call(ParamsFetch(start=procs[name].blocks[0], end=procs[name].blocks[1]),
+                                              None, 10))
+        with torch.no_grad():
+            vector_to_parameters(flat, block.parameters())
+    return reference
 
 
 def _client(swarm: LocalSwarm, llama_dir, peers: int) -> SwarmClient:
@@ -56,19 +108,18 @@ def _kill_before_commit(trainer: SwarmTrainer, proc: SwarmProcess, at_step: int)
 
 
 @pytest.mark.parametrize("topology, killed", [("chain", 1), ("chain", 0), ("star", 1)])
-def test_finding_chaos_a_lone_stage_killed_before_the_commit_gets_the_step_replayed(fresh_swarm, llama_dir, caplog,
+def test_finding_chaos_a_lone_stage_killed_before_the_commit_gets_the_step_replayed(pair, llama_dir, caplog,
                                                                                     topology, killed):
     """The other stage and the trainer applied step 3; the killed peer comes back from its checkpoint at step 2,
     gets step 3 replayed (the same inputs and gradients, in the same order) and the run equals one process. In a
     chain the trainer never saw the killed stage's input (stage 1) or its output and grad (stage 0): the other
     stage kept them."""
     caplog.set_level(logging.INFO, logger="peers")
-    swarm, accumulation = fresh_swarm, 2
-    procs = _peers(swarm, llama_dir, {"stage0": "0:4", "stage1": "4:8"})
-    reference = LocalTrainer(llama_dir, OPTIM, accumulation, stages=[(0, 4), (4, 8)])
+    (swarm, procs), accumulation, run_id = pair, 2, f"replay-{topology}-{killed}"
     data_swarm, data_local = (TokenBatches(encode_bytes(TEXT), seq_len=16, micro_batch=2, seed=4) for _ in range(2))
     with _client(swarm, llama_dir, 2) as client:
-        trainer = SwarmTrainer(client, OPTIM, accumulation, in_flight=1, run_id="replay", checkpoint_every=1,
+        reference = _reference(client, llama_dir, procs, accumulation)
+        trainer = SwarmTrainer(client, OPTIM, accumulation, in_flight=1, run_id=run_id, checkpoint_every=1,
                                topology=topology)
         _kill_before_commit(trainer, procs[f"stage{killed}"], at_step=2)
         for step in range(1, 5):
@@ -77,8 +128,7 @@ def test_finding_chaos_a_lone_stage_killed_before_the_commit_gets_the_step_repla
                 [data_local.next_micro() for _ in range(accumulation)]), abs=1e-6)
             if step == 3:  # the killed stage died before applying it: the others did
                 assert result.stage_steps == ([3, 2] if killed else [2, 3])
-                swarm.start_peer(llama_dir, block_indices=("0:4", "4:8")[killed], name=f"stage{killed}-again",
-                                 wait=False, extra=_flags(swarm, f"stage{killed}"))
+                _restart(swarm, llama_dir, f"stage{killed}", wait=False)
             else:
                 assert result.stage_steps == [step, step], "the restarted stage must not stay a step behind"
         assert trainer.replayed == 1 and trainer.lost_steps == []
@@ -86,24 +136,23 @@ def test_finding_chaos_a_lone_stage_killed_before_the_commit_gets_the_step_repla
         ids = data_local.next_micro()
         assert (client.forward(ids) - reference.logits(ids).detach()).abs().max() <= 1e-6
     span = ("blocks-0-4", "blocks-4-8")[killed]
-    saved = load_file(str(swarm.workdir / f"stage{killed}" / "replay" / span / "weights.safetensors"))
+    saved = load_file(str(swarm.workdir / f"stage{killed}" / run_id / span / "weights.safetensors"))
     local = dict(reference.blocks[killed].named_parameters())
     assert max((saved[k] - local[k].detach()).abs().max().item() for k in saved) <= 1e-6
 
 
-def test_finding_chaos_a_stage_back_from_an_older_checkpoint_is_a_loud_lost_step(fresh_swarm, llama_dir, caplog):
+def test_finding_chaos_a_stage_back_from_an_older_checkpoint_is_a_loud_lost_step(pair, llama_dir, caplog):
     """Peers that checkpoint every 2 steps: the 4:8 peer killed before applying step 4 comes back at step 2, two
     steps behind. That cannot be replayed: an error says which blocks lost which steps and how to avoid it, the
     trainer keeps it in ``lost_steps``, and the steps the stages report show the difference."""
-    swarm = fresh_swarm
-    procs = _peers(swarm, llama_dir, {"stage0": "0:4", "stage1": "4:8"})
+    swarm, procs = pair
     data = TokenBatches(encode_bytes(TEXT), seq_len=16, micro_batch=2, seed=7)
     with _client(swarm, llama_dir, 2) as client:
         trainer = SwarmTrainer(client, OPTIM, 2, run_id="lost", checkpoint_every=2)
         _kill_before_commit(trainer, procs["stage1"], at_step=3)
         for _ in range(4):
             trainer.train_step([data.next_micro() for _ in range(2)])
-        swarm.start_peer(llama_dir, block_indices="4:8", name="stage1-again", extra=_flags(swarm, "stage1"))
+        _restart(swarm, llama_dir, "stage1")
         result = trainer.train_step([data.next_micro() for _ in range(2)])
     assert result.stage_steps == [5, 3] and trainer.replayed == 0
     assert [{k: v for k, v in lost.items() if k != "message"} for lost in trainer.lost_steps] == [
@@ -125,11 +174,10 @@ class _Waiting(logging.Handler):
             self.event.set()
 
 
-def test_finding_chaos_a_train_step_waits_for_a_lone_stage_whose_peer_restarts(fresh_swarm, llama_dir):
+def test_finding_chaos_a_train_step_waits_for_a_lone_stage_whose_peer_restarts(pair, llama_dir):
     """The 4:8 peer is killed and restarted only once the trainer has waited 6 s for it (it used to raise
     NoPipelineError after 5 s, which stopped `swarm train`): the step goes on when the peer serves again."""
-    swarm = fresh_swarm
-    procs = _peers(swarm, llama_dir, {"stage0": "0:4", "stage1": "4:8"})
+    swarm, procs = pair
     data = TokenBatches(encode_bytes(TEXT), seq_len=16, micro_batch=2, seed=5)
     waiting, finished = _Waiting(6), threading.Event()
     logger = logging.getLogger("peers.trainer.pipeline")
@@ -139,8 +187,7 @@ def test_finding_chaos_a_train_step_waits_for_a_lone_stage_whose_peer_restarts(f
     def restart_when_waited() -> None:
         while not finished.is_set():
             if waiting.event.wait(0.2):
-                swarm.start_peer(llama_dir, block_indices="4:8", name="stage1-again", wait=False,
-                                 extra=_flags(swarm, "stage1"))
+                _restart(swarm, llama_dir, "stage1", wait=False)
                 return
 
     try:
