@@ -77,26 +77,32 @@ def test_pushes_only_from_the_named_upstream_and_bad_steps_are_refused(chain_swa
         client.wait_for_records(3)
         hidden_size = client.model_config.hidden_size
 
-        async def run() -> torch.Tensor:
+        async def run(bad_requests: bool) -> torch.Tensor:
             async with ChainSession(client, max_length=16) as session:
                 first, middle = session.hops[0], session.hops[1]
-                stream = await client.peer_stream(middle.peer_id)
-                stray = torch.randn(1, 1, hidden_size)
-                with pytest.raises(RequestError, match="is not the upstream of session"):
-                    await stream.push(middle.session_id, 0, stray, 10)  # we are not the upstream the client named
-                with pytest.raises(RequestError, match="not open on this peer"):
-                    await stream.push("no-such-session", 0, stray, 10)
-                with pytest.raises(RequestError, match="must carry it"):
-                    await first.queue(0, None, tokens=1, returns=False)  # the first hop's input comes from us
-                with pytest.raises(RequestError, match="without a tensor"):
-                    await middle.queue(0, stray, tokens=1, returns=False)  # the middle one's from its upstream
+                if bad_requests:
+                    stream = await client.peer_stream(middle.peer_id)
+                    stray = torch.randn(1, 1, hidden_size)
+                    with pytest.raises(RequestError, match="is not the upstream of session"):
+                        await stream.push(middle.session_id, 0, stray, 10)  # we are not the upstream it was told
+                    with pytest.raises(RequestError, match="not open on this peer"):
+                        await stream.push("no-such-session", 0, stray, 10)
+                    with pytest.raises(RequestError, match="must carry it"):
+                        await first.queue(0, None, tokens=1, returns=False)  # the first hop's input comes from us
+                    with pytest.raises(RequestError, match="without a tensor"):
+                        await middle.queue(0, stray, tokens=1, returns=False)  # the middle one's from upstream
                 with torch.inference_mode():
                     hidden = client.embedding(input_ids, default_position_ids(input_ids))
-                out = await session.step(hidden)  # the session goes on, untouched
+                out = await session.step(hidden)
                 with torch.inference_mode():
                     return client.head(out)
 
-        assert torch.equal(client.loop.run(run()), expected)
+        clean = client.loop.run(run(bad_requests=False))
+        refused = client.loop.run(run(bad_requests=True))
+    # the session with refused requests goes on untouched: bit for bit what a clean session gives (a cached
+    # step may differ from one full forward in the last bit, by the attention kernel's shapes)
+    assert torch.equal(refused, clean)
+    torch.testing.assert_close(clean, expected, rtol=0, atol=1e-5)
 
 
 def test_the_upstream_names_a_downstream_that_is_gone(fresh_swarm, llama_dir):
