@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
+
+from swarm.values import is_int, is_number, shown
 
 WIRE_VERSION = 1
 _PEER_ID_RE = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,80}$")  # base58 libp2p peer id
@@ -37,11 +38,11 @@ class LinkRow:
 
     def __post_init__(self) -> None:
         _check(isinstance(self.peer_id, str) and _PEER_ID_RE.fullmatch(self.peer_id),
-               f"bad link peer_id {_shown(self.peer_id)}")
+               f"bad link peer_id {shown(self.peer_id)}")
         for name, most in (("bandwidth", MAX_BANDWIDTH), ("rtt", MAX_RTT), ("age", MAX_AGE)):
             value = getattr(self, name)
-            _check(_is_number(value) and 0 <= value <= most, f"bad link {name} {_shown(value)} (0..{most:g})")
-        _check(isinstance(self.source, str) and self.source in LINK_SOURCES, f"bad link source {_shown(self.source)}")
+            _check(is_number(value) and 0 <= value <= most, f"bad link {name} {shown(value)} (0..{most:g})")
+        _check(isinstance(self.source, str) and self.source in LINK_SOURCES, f"bad link source {shown(self.source)}")
 
     def to_wire(self) -> dict[str, Any]:
         return {"peer": self.peer_id, "bw": self.bandwidth, "rtt": self.rtt, "age": self.age, "src": self.source}
@@ -92,13 +93,13 @@ class PeerRecord:
 
     def __post_init__(self) -> None:
         peer_id_ok = isinstance(self.peer_id, str) and _PEER_ID_RE.fullmatch(self.peer_id)
-        _check(peer_id_ok, f"bad peer_id {_shown(self.peer_id)}")
+        _check(peer_id_ok, f"bad peer_id {shown(self.peer_id)}")
         _check(isinstance(self.model, str) and 0 < len(self.model) <= _MAX_TEXT, "bad model name")
-        _check(_is_int(self.start) and _is_int(self.end), "start/end must be integers")
+        _check(is_int(self.start) and is_int(self.end), "start/end must be integers")
         _check(0 <= self.start < self.end, f"bad block range {self.start}:{self.end}")
-        _check(isinstance(self.state, PeerState), f"bad state {_shown(self.state)}")
-        _check(_is_number(self.throughput) and self.throughput >= 0, f"bad throughput {_shown(self.throughput)}")
-        _check(isinstance(self.dtype, str) and self.dtype in _DTYPES, f"bad dtype {_shown(self.dtype)}")
+        _check(isinstance(self.state, PeerState), f"bad state {shown(self.state)}")
+        _check(is_number(self.throughput) and self.throughput >= 0, f"bad throughput {shown(self.throughput)}")
+        _check(isinstance(self.dtype, str) and self.dtype in _DTYPES, f"bad dtype {shown(self.dtype)}")
         for name in ("device", "public_name", "version"):
             value = getattr(self, name)
             _check(isinstance(value, str) and len(value) <= _MAX_TEXT, f"bad {name}")
@@ -106,14 +107,14 @@ class PeerRecord:
             isinstance(self.addresses, tuple) and all(isinstance(a, str) for a in self.addresses),
             "addresses must be strings",
         )
-        _check(_is_int(self.max_batch_size) and self.max_batch_size >= 1, "bad max_batch_size")
-        _check(_is_int(self.max_blocks) and 0 <= self.max_blocks <= MAX_BLOCKS,
-               f"bad max_blocks {_shown(self.max_blocks)}")
-        _check(_is_int(self.wire), "wire must be an integer")  # else the record would not even hash
+        _check(is_int(self.max_batch_size) and self.max_batch_size >= 1, "bad max_batch_size")
+        _check(is_int(self.max_blocks) and 0 <= self.max_blocks <= MAX_BLOCKS,
+               f"bad max_blocks {shown(self.max_blocks)}")
+        _check(is_int(self.wire), "wire must be an integer")  # else the record would not even hash
         for name in ("forward_seconds", "backward_seconds"):
             value = getattr(self, name)
-            _check(_is_number(value) and 0 <= value <= MAX_SECONDS_PER_TOKEN,
-                   f"bad {name} {_shown(value)} (0..{MAX_SECONDS_PER_TOKEN:g})")
+            _check(is_number(value) and 0 <= value <= MAX_SECONDS_PER_TOKEN,
+                   f"bad {name} {shown(value)} (0..{MAX_SECONDS_PER_TOKEN:g})")
         _check(isinstance(self.links, tuple) and len(self.links) <= MAX_LINKS
                and all(isinstance(row, LinkRow) for row in self.links),
                f"links must be a tuple of at most {MAX_LINKS} LinkRow")
@@ -168,7 +169,7 @@ class PeerRecord:
                 raise ValueError
             kwargs["state"] = PeerState(kwargs["state"])
         except ValueError:
-            raise ValueError(f"bad state {_shown(kwargs['state'])}") from None
+            raise ValueError(f"bad state {shown(kwargs['state'])}") from None
         if not isinstance(kwargs.get("addresses", ()), (list, tuple)):  # tuple("/ip4/...") would split a string
             raise ValueError(f"addresses must be a list of strings, got {type(kwargs['addresses']).__name__}")
         kwargs["addresses"] = tuple(kwargs.get("addresses", ()))
@@ -181,21 +182,6 @@ class PeerRecord:
         return cls(**kwargs)
 
 
-def _shown(value: Any) -> str:
-    """A short repr for an error message: an untrusted nested list's repr may be huge or exceed the recursion limit."""
-    if isinstance(value, (str, bytes, int, float, type(None))):
-        return repr(value[:64] if isinstance(value, (str, bytes)) else value)
-    return f"of type {type(value).__name__}"
-
-
 def _check(ok: Any, message: str) -> None:
     if not ok:
         raise ValueError(f"invalid PeerRecord: {message}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

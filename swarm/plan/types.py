@@ -8,11 +8,12 @@ bounds every size, so a record from a stranger costs nothing beyond its bytes.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from swarm.values import is_int, is_number, shown
 
 MAX_PEERS = 10_000  # peers one plan may name (groups' stages + backups)
 MAX_BLOCKS = 100_000  # blocks of a model
@@ -37,8 +38,8 @@ class PlanPeer:
         _check(isinstance(self.peer_id, str) and bool(self.peer_id), f"bad peer_id {self.peer_id!r}")
         for name in ("forward_s", "backward_s"):
             value = getattr(self, name)
-            _check(_is_number(value) and value > 0, f"PlanPeer.{name} must be a finite number > 0, got {value!r}")
-        _check(_is_int(self.max_blocks) and self.max_blocks >= 1, f"bad max_blocks {self.max_blocks!r}")
+            _check(is_number(value) and value > 0, f"PlanPeer.{name} must be a finite number > 0, got {value!r}")
+        _check(is_int(self.max_blocks) and self.max_blocks >= 1, f"bad max_blocks {self.max_blocks!r}")
 
 
 @dataclass(frozen=True)
@@ -51,9 +52,9 @@ class Assignment:
 
     def __post_init__(self) -> None:
         _check(isinstance(self.peer_id, str) and _PEER_ID_RE.fullmatch(self.peer_id) is not None,
-               f"bad peer_id {_shown(self.peer_id)}")
-        _check(_is_int(self.start) and _is_int(self.end) and 0 <= self.start < self.end <= MAX_BLOCKS,
-               f"bad span {_shown(self.start)}:{_shown(self.end)}")
+               f"bad peer_id {shown(self.peer_id)}")
+        _check(is_int(self.start) and is_int(self.end) and 0 <= self.start < self.end <= MAX_BLOCKS,
+               f"bad span {shown(self.start)}:{shown(self.end)}")
 
     @property
     def span(self) -> tuple[int, int]:
@@ -74,8 +75,8 @@ class Group:
         _check(self.stages[0].start == 0, f"a group starts at block {self.stages[0].start}, not 0")
         for before, after in zip(self.stages, self.stages[1:], strict=False):
             _check(before.end == after.start, f"a group's stages are not contiguous: {before.end} then {after.start}")
-        _check(_is_number(self.seconds_per_token) and self.seconds_per_token > 0,
-               f"bad seconds_per_token {_shown(self.seconds_per_token)}")
+        _check(is_number(self.seconds_per_token) and self.seconds_per_token > 0,
+               f"bad seconds_per_token {shown(self.seconds_per_token)}")
 
     @property
     def num_blocks(self) -> int:
@@ -103,8 +104,8 @@ class Plan:
 
     def __post_init__(self) -> None:
         _check(isinstance(self.model, str) and 0 < len(self.model) <= _MAX_TEXT, "bad model name")
-        _check(_is_int(self.num_blocks) and 1 <= self.num_blocks <= MAX_BLOCKS, f"bad num_blocks {self.num_blocks!r}")
-        _check(_is_int(self.version) and self.version >= 0, f"bad version {_shown(self.version)}")
+        _check(is_int(self.num_blocks) and 1 <= self.num_blocks <= MAX_BLOCKS, f"bad num_blocks {self.num_blocks!r}")
+        _check(is_int(self.version) and self.version >= 0, f"bad version {shown(self.version)}")
         _check(isinstance(self.groups, tuple) and all(isinstance(g, Group) for g in self.groups),
                "groups must be a tuple of Group")
         for group in self.groups:
@@ -116,7 +117,7 @@ class Plan:
             value = getattr(self, name)
             _check(isinstance(value, str) and len(value) <= _MAX_TEXT, f"bad {name}")
         _check(self.objective in ("training", "inference"), f"bad objective {self.objective!r}")
-        _check(_is_number(self.made_at) and self.made_at >= 0, f"bad made_at {_shown(self.made_at)}")
+        _check(is_number(self.made_at) and self.made_at >= 0, f"bad made_at {shown(self.made_at)}")
         named = [s.peer_id for g in self.groups for s in g.stages] + list(self.backups)
         _check(len(named) <= MAX_PEERS, f"a plan names at most {MAX_PEERS} peers, this one {len(named)}")
         _check(len(set(named)) == len(named), "a plan names a peer twice")
@@ -169,20 +170,6 @@ class Plan:
                    objective=wire.get("objective", "training"), run_id=wire.get("run", ""))
 
 
-def _shown(value: Any) -> str:
-    if isinstance(value, (str, bytes, int, float, type(None))):
-        return repr(value[:64] if isinstance(value, (str, bytes)) else value)
-    return f"of type {type(value).__name__}"
-
-
 def _check(ok: Any, message: str) -> None:
     if not ok:
         raise ValueError(f"invalid plan: {message}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
