@@ -19,11 +19,9 @@ stage choice only count ``ONLINE`` records.
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 import logging
 import time
-from pathlib import Path
 
 import torch
 from hivemind.dht.node import DHTNode
@@ -34,6 +32,7 @@ from peers.core.config import StageServerConfig
 from peers.core.ids import DTYPES
 from peers.model import ModelConfig, StageBlocks, load_blocks
 from peers.server.backend import StageBackend
+from peers.server.block_timing import measure_block
 from peers.server.chain_calls import ChainCalls
 from peers.server.control import close_control, serve_control
 from peers.server.handler import StageHandler
@@ -41,24 +40,21 @@ from peers.server.kv_sessions import SessionRegistry
 from peers.server.memory import block_bytes, free_bytes, holdable_blocks
 from peers.server.plan_follower import plan_following
 from peers.server.prober import LinkProber
-from peers.server.training_rpc import TrainingRPC, fetch_params
+from peers.server.span_loading import assemble, fetch_trained, has_checkpoint, load_new_blocks
+from peers.server.training_rpc import TrainingRPC
 from peers.wire.errors import moved_refusal
 from peers.wire.links import PeerLinks
 from peers.wire.messages import StageInfo
-from privacy.peer_ids import short_id
 from swarm.announcer import Announcer
 from swarm.block_selection import choose_blocks
 from swarm.discovery import fetch_records, start_node, visible_maddrs
 from swarm.keys import check_model_name
 from swarm.links import LinkTable
-from swarm.measure import Compute, cached_compute, time_per_call
+from swarm.measure import Compute, cached_compute
 from swarm.records import PeerRecord, PeerState
 from swarm.revocations import check_membership, keep_revocations, serve_until
 
 logger = logging.getLogger(__name__)
-
-MEASURE_TOKENS = 128  # tokens per measured forward of one block
-
 
 @dataclasses.dataclass(eq=False)
 class _Stage:
@@ -227,8 +223,10 @@ class StageServer:
                         f" (from {left[0]}:{left[1]})" if left else " (a backup until now)")
             began = time.perf_counter()
             try:
-                fresh = await asyncio.to_thread(self._load_new_blocks, start, end, old)
-                fetched = await self._fetch_trained(fresh, start, end, old)
+                have = range(old.start, old.end) if old is not None else range(0)
+                fresh = await asyncio.to_thread(load_new_blocks, self.config.model_dir, start, end, have,
+                                                device=self.device, dtype=self.dtype)
+                fetched = await self._fetch_trained(fresh, start, end)
             except Exception as e:
                 still = f"blocks {left[0]}:{left[1]}" if left else "nothing (a backup)"
                 logger.error("Could not move to blocks %d:%d: %s: %s. Still serving %s; free memory, check the model "
@@ -239,7 +237,9 @@ class StageServer:
             refusal = moved_refusal((start, end), left)
             carried = await self._retire_training(old, refusal)  # checkpoint the run of the old span, drop it
             try:
-                blocks = self._assemble(fresh, start, end, old)
+                blocks = assemble(fresh, start, end, old.blocks if old is not None else (),
+                                  old.start if old is not None else start,
+                                  copy_kept=self.config.trainer_policy().enabled)
                 stage = await self._make_stage(blocks, start, end, moved=refusal,
                                                carried_step=max(carried, fetched))
             except Exception as e:
@@ -271,71 +271,15 @@ class StageServer:
             logger.info("Backup peer %s of %s: stopped serving blocks %d:%d and freed them; ready to move",
                         self.peer_id, self.model_name, old.start, old.end)
 
-    def _load_new_blocks(self, start: int, end: int, old: _Stage | None) -> dict[int, torch.nn.Module]:
-        """Blocks of ``[start, end)`` that the old span lacks, from the model folder (on a thread)."""
-        have = range(old.start, old.end) if old is not None else range(0)
-        wanted = [i for i in range(start, end) if i not in have]
-        fresh: dict[int, torch.nn.Module] = {}
-        for first, last in _runs(wanted):
-            loaded = load_blocks(self.config.model_dir, first, last, device=self.device, dtype=self.dtype)
-            fresh.update({first + k: block for k, block in enumerate(loaded)})
-        return fresh
-
-    def _assemble(self, fresh: dict[int, torch.nn.Module], start: int, end: int, old: _Stage | None) -> StageBlocks:
-        """The new span's blocks: the old span's where they overlap (copies when training may change them: the old
-        span serves its own until it is freed), the fresh ones elsewhere."""
-        training = self.config.trainer_policy().enabled
-        blocks = []
-        for i in range(start, end):
-            if i in fresh:
-                blocks.append(fresh[i])
-            else:
-                assert old is not None
-                kept = old.blocks[i - old.start]
-                blocks.append(copy.deepcopy(kept) if training else kept)
-        return StageBlocks(blocks, start, end).eval()
-
-    async def _fetch_trained(self, fresh: dict[int, torch.nn.Module], start: int, end: int, old: _Stage | None
-                             ) -> int:
-        """With training on and no checkpoint of exactly ``[start, end)``: the fresh blocks take the parameters the
-        peers serving them hold now (``ParamsFetch`` of a sub-range of their span), so that trained weights move
-        with the blocks. Returns the highest step fetched (0: none)."""
-        if not fresh or not self.config.trainer_policy().enabled or self._has_checkpoint(start, end):
+    async def _fetch_trained(self, fresh: dict[int, torch.nn.Module], start: int, end: int) -> int:
+        """With training on and no checkpoint of exactly ``[start, end)``, the fresh blocks take the trained weights
+        their peers hold now (``span_loading.fetch_trained``); the highest step fetched (0: none)."""
+        if not fresh or not self.config.trainer_policy().enabled or has_checkpoint(self.config.checkpoint_dir, start,
+                                                                                   end):
             return 0
-        try:
-            records = await asyncio.wait_for(fetch_records(self.node, self.model_name), self.config.swarm.dht_timeout)
-        except Exception as e:
-            logger.warning("Could not look for peers serving blocks %d:%d (%r): the new blocks start from the model "
-                           "folder", start, end, e)
-            return 0
-        serving = [r for r in records if r.state == PeerState.ONLINE and r.peer_id != self.peer_id]
-        best = 0
-        for first, last in _runs(fresh):
-            position = first
-            while position < last:
-                source = max((r for r in serving if r.start <= position < r.end), key=lambda r: r.end, default=None)
-                if source is None:
-                    logger.info("No peer serves block %d now: it starts from the model folder", position)
-                    position += 1
-                    continue
-                stop = min(last, source.end)
-                try:
-                    step, flat = await fetch_params(self.links.get, source.peer_id, position, stop,  # type: ignore
-                                                    self.config.request_timeout)
-                    _load_flat([fresh[i] for i in range(position, stop)], flat)
-                except Exception as e:
-                    logger.warning("Could not fetch blocks %d:%d from peer %s (%s): they start from the model "
-                                   "folder", position, stop, short_id(source.peer_id), e)
-                else:
-                    best = max(best, step)
-                    logger.info("Fetched the current parameters of blocks %d:%d from peer %s (%d:%d, step %d)",
-                                position, stop, short_id(source.peer_id), source.start, source.end, step)
-                position = stop
-        return best
-
-    def _has_checkpoint(self, start: int, end: int) -> bool:
-        directory = self.config.checkpoint_dir
-        return directory is not None and any(Path(directory).glob(f"*/blocks-{start}-{end}/state.json"))
+        return await fetch_trained(fresh, node=self.node, model_name=self.model_name, peer_id=self.peer_id,
+                                   stream_for=self.links.get, dht_timeout=self.config.swarm.dht_timeout,  # type: ignore
+                                   request_timeout=self.config.request_timeout)
 
     async def _retire_training(self, old: _Stage | None, refusal: str) -> int:
         """Checkpoint and drop the training run open on the span we leave; the step of the weights it leaves us."""
@@ -522,69 +466,11 @@ class StageServer:
         )
 
 
-def _runs(indices) -> list[tuple[int, int]]:
-    """Sorted block indices as maximal contiguous ``[first, last)`` runs."""
-    runs: list[tuple[int, int]] = []
-    for i in sorted(indices):
-        if runs and runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
-    return runs
-
-
-def _load_flat(blocks: list[torch.nn.Module], flat: torch.Tensor) -> None:
-    """Load a peer's flat parameters of these blocks (checked: size, finite)."""
-    params = [p for block in blocks for p in block.parameters()]
-    numel = sum(p.numel() for p in params)
-    if flat.ndim != 1 or flat.numel() != numel or not bool(torch.isfinite(flat).all()):
-        raise ValueError(f"got {list(flat.shape)} values; expected {numel} finite ones")
-    with torch.no_grad():
-        torch.nn.utils.vector_to_parameters(flat.to(params[0].dtype), params)
-
-
 async def _close_stage(stage: _Stage) -> None:
     await stage.backend.shutdown()
     if stage.training is not None and not stage.training.retired:
         stage.training.shutdown()  # finishes the running computation first
         stage.training.save_unsaved()
-
-
-def measure_block(block, hidden_size: int, device: torch.device, dtype: torch.dtype,
-                  tokens: int = MEASURE_TOKENS) -> Compute:
-    """Median forward and backward time of ``block`` on ``tokens`` tokens, per token. The backward is that of the
-    block's input and weights (as in training); the weights' grads are cleared and frozen again afterwards."""
-    hidden = torch.randn(1, tokens, hidden_size, device=device, dtype=dtype)
-    positions = torch.arange(tokens, device=device)[None]
-
-    def synced(fn):  # a GPU runs kernels asynchronously: time them to their end, not to their launch
-        if device.type != "cuda":
-            return fn
-        return lambda: (fn(), torch.cuda.synchronize(device))
-
-    with torch.inference_mode():
-        forward = time_per_call(synced(lambda: block(hidden, positions)))
-    params = list(block.parameters())
-    frozen = [not p.requires_grad for p in params]
-    x = hidden.clone().requires_grad_(True)
-
-    def forward_backward() -> None:
-        out, _ = block(x, positions)
-        out.float().sum().backward()
-
-    try:
-        for p in params:
-            p.requires_grad_(True)
-        with torch.enable_grad():
-            both = time_per_call(synced(forward_backward), repeats=3)
-            graph_forward = time_per_call(synced(lambda: block(x, positions)), repeats=3)
-    finally:
-        for p, was_frozen in zip(params, frozen, strict=True):
-            p.grad = None
-            if was_frozen:
-                p.requires_grad_(False)
-    backward = max(both - graph_forward, forward / 10)  # never 0: a noisy difference of two timings
-    return Compute(forward / tokens, backward / tokens)
 
 
 async def _quietly(coro, what: str) -> None:

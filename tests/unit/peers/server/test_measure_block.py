@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from peers.model import load_blocks
-from peers.server.stage_server import measure_block
+from peers.server.block_timing import measure_block
 
 
 def test_measure_block_times_forward_and_backward_and_leaves_the_weights_frozen(llama_dir):
