@@ -12,9 +12,8 @@ import logging
 import random
 from collections.abc import Awaitable, Callable
 
-from peers.wire.probe import probe_link
+from peers.wire.probe import probe_into
 from peers.wire.stream import PeerStream
-from privacy.peer_ids import short_id
 from swarm.links import LinkTable
 from swarm.records import LinkRow, PeerRecord, PeerState
 
@@ -55,21 +54,8 @@ class LinkProber:
         except Exception as e:
             logger.debug("Link probes: could not fetch the swarm's records: %r", e)
             return 0
-        done = 0
-        for peer_id in self.targets(records):
-            try:
-                stream = await asyncio.wait_for(self.stream_for(peer_id), PROBE_TIMEOUT)
-                result = await asyncio.wait_for(probe_link(stream, timeout=PROBE_TIMEOUT), PROBE_TIMEOUT)
-            except Exception as e:  # gone, refusing (rate limit, an older peer): try again next round
-                logger.info("Link probe to %s failed (tried again next round): %s", short_id(peer_id), e)
-                continue
-            self.table.observe_probe(peer_id, result.round_trips, result.nbytes, result.transfer_wall,
-                                     result.transfer_compute)
-            known = self.table.get(peer_id)
-            if known is not None:
-                logger.info("Link to %s: %.3g Mbit/s, round trip %.2f ms (probe)", short_id(peer_id),
-                            known.bandwidth / 1e6, known.rtt * 1e3)
-            done += 1
+        done = await probe_into(self.table, self.stream_for, self.targets(records), timeout=PROBE_TIMEOUT,
+                                why="tried again next round")
         self.probed += done
         self.publish(self.table.best_rows(), done > 0)
         return done

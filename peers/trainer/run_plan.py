@@ -14,11 +14,12 @@ import logging
 import time
 from typing import Any
 
+from peers.wire.probe import probe_into, unmeasured
 from privacy.peer_ids import peer_id_of, short_id
 from swarm.discovery import announce_plan, fetch_plans
 from swarm.estimator import ModelShape
 from swarm.plan.broker import next_plan
-from swarm.plan.route import PricedGroup, price_groups
+from swarm.plan.route import PricedGroup, live, price_groups
 from swarm.plan.trust import next_version
 from swarm.plan.types import Plan
 from swarm.records import PeerRecord
@@ -30,6 +31,7 @@ PLAN_TTL = 60.0  # seconds a published plan lives in the DHT
 REPUBLISH_EVERY = 15.0  # seconds between publications of the same plan (while the trainer runs)
 POLL = 0.5  # seconds between snapshots while waiting for the peers to move
 NOTICE_EVERY = 5.0  # seconds between "waiting for the move" messages
+MAX_PROBES = 16  # links probed per look at the plan's live groups
 
 
 class RunPlanner:
@@ -46,6 +48,7 @@ class RunPlanner:
         self.failed_at: float | None = None  # time.monotonic() of the failure that caused the current re-plan
         self.group: PricedGroup | None = None  # the group the run trains on
         self.lost_before = 0
+        self.probed: set[str] = set()  # peers whose link we probed (or tried to): once each
 
     async def groups(self, grace: float) -> list[list[PeerRecord]]:
         """Make (or keep) the run's plan, publish it, wait up to ``grace`` s for one of its groups to serve its
@@ -79,6 +82,7 @@ class RunPlanner:
         began, noticed = time.monotonic(), 0.0
         while True:
             records = await client._fetch()
+            await self._probe_ends(plan, records, banned)
             priced = price_groups([plan], records, self.shape, client_id=self.me, local=client.router.links,
                                   excluded=banned, objective="training", micro_batches=trainer.accumulation,
                                   topology=trainer.topology)
@@ -101,6 +105,18 @@ class RunPlanner:
                             plan.version, waited)
             await self.publish()
             await asyncio.sleep(POLL)
+
+    async def _probe_ends(self, plan: Plan, records: list[PeerRecord], banned: set[str]) -> None:
+        """Probe our links to the live groups' stages that talk to us (chain: the first and the last; star: all)
+        that we never measured, once each: an unknown link prices as the default, so without this a group behind a
+        slow uplink looks as near as one on a fast link."""
+        client = self.trainer.client
+        ends = [s.peer_id for g in plan.groups if live(g, records, banned)
+                for s in (g.stages if self.trainer.topology == "star" else (g.stages[0], g.stages[-1]))]
+        todo = [p for p in unmeasured(client.router.links, ends) if p not in self.probed][:MAX_PROBES]
+        if todo:
+            self.probed.update(todo)
+            await probe_into(client.router.links, client.peer_stream, todo, why="its link prices as the default")
 
     async def publish(self, force: bool = False) -> None:
         """(Re)publish the plan if due: its record must outlive the run's pauses."""
