@@ -3,8 +3,9 @@
 ``LinkMeter(client)`` sums ``bytes_sent + bytes_received`` of the client's streams (``PeerStream``: every frame,
 headers, metadata, sealing and heartbeats included) and, while it is entered, counts the plaintext tensor bytes
 those streams send and receive (hidden states, gradients) by wrapping the two functions ``peers.wire.stream`` uses
-to (de)serialize tensors (the dense tensors, before a codec compresses them). Only this process's streams are counted: the peers run in other processes, so what they
-push to each other never shows here. ``reading()`` is a snapshot; subtract two of them.
+to (de)serialize tensors (dense, before a codec compresses them). Only this process's streams are counted: the peers
+run in other processes, so what they push to each other never shows here. ``reading()`` is a snapshot; subtract two
+of them.
 A stream that was dropped (its peer died) leaves the client's table and its bytes with it: read around runs in which
 no peer fails.
 """
