@@ -3,8 +3,9 @@
 ``LinkMeter(client)`` sums ``bytes_sent + bytes_received`` of the client's streams (``PeerStream``: every frame,
 headers, metadata, sealing and heartbeats included) and, while it is entered, counts the plaintext tensor bytes
 those streams send and receive (hidden states, gradients) by wrapping the two functions ``peers.wire.stream`` uses
-to (de)serialize tensors. Only this process's streams are counted: the peers run in other processes, so what they
-push to each other never shows here. ``reading()`` is a snapshot; subtract two of them.
+to (de)serialize tensors (dense, before a codec compresses them). Only this process's streams are counted: the peers
+run in other processes, so what they push to each other never shows here. ``reading()`` is a snapshot; subtract two
+of them.
 A stream that was dropped (its peer died) leaves the client's table and its bytes with it: read around runs in which
 no peer fails.
 """
@@ -15,6 +16,8 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 import peers.wire.stream as stream_module
 from peers.client.swarm_client import SwarmClient
@@ -59,23 +62,25 @@ class LinkMeter:
         return Reading(frames, self.payload)
 
     def __enter__(self) -> LinkMeter:
-        original_write, original_read = stream_module.tensor_messages, stream_module.read_tensor_messages
+        original_write, original_read = stream_module.tensor_messages, stream_module.read_coded_messages
 
         def tensor_messages(tensor: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
-            self.payload += tensor.numel() * tensor.element_size()
+            dense = tensor if isinstance(tensor, torch.Tensor) else None  # an ``Encoded`` one: its buffer
+            self.payload += dense.numel() * dense.element_size() if dense is not None else len(
+                tensor.serialized.buffer)
             return original_write(tensor, *args, **kwargs)
 
-        async def read_tensor_messages(*args: Any, **kwargs: Any) -> tuple[bytes, Any]:
-            metadata, tensor = await original_read(*args, **kwargs)
+        async def read_coded_messages(*args: Any, **kwargs: Any) -> tuple[bytes, Any, Any]:
+            metadata, tensor, indices = await original_read(*args, **kwargs)
             self.payload += tensor.numel() * tensor.element_size()
-            return metadata, tensor
+            return metadata, tensor, indices
 
         stream_module.tensor_messages = tensor_messages  # type: ignore[assignment]
-        stream_module.read_tensor_messages = read_tensor_messages  # type: ignore[assignment]
+        stream_module.read_coded_messages = read_coded_messages  # type: ignore[assignment]
 
         def restore() -> None:
             stream_module.tensor_messages = original_write  # type: ignore[assignment]
-            stream_module.read_tensor_messages = original_read  # type: ignore[assignment]
+            stream_module.read_coded_messages = original_read  # type: ignore[assignment]
 
         self._stack.callback(restore)
         return self
