@@ -68,6 +68,7 @@ class ForwardRequest(Message):
 
     start: int
     end: int
+    compression: str = ""  # the codec of the request's tensor, for the reply's (``swarm.compression``; "": none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +86,9 @@ class InferenceOpen(Message):
     upstream: str = ""
     downstream: str = ""
     downstream_session: str = ""
+    # how the peer sends this session's outputs, to the client and pushed downstream (``swarm.compression`` codec
+    # text, e.g. "fp16"; "": none, bit-exact)
+    compression: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
