@@ -21,7 +21,7 @@ from peers.wire.messages import InferenceReply, StageInfo
 from peers.wire.tensors import read_coded_messages, read_tensor_messages, sealer, tensor_messages, unsealer
 from privacy.certificates import Certificate
 from privacy.channel import SecureChannel
-from swarm.compression import NONE, Codec
+from swarm.compression import NONE, Codec, Encoded
 
 Responses = list[runtime_pb2.ExpertResponse]
 
@@ -95,7 +95,7 @@ def reply(*, error: str = "", length: int = 0) -> runtime_pb2.ExpertResponse:
     return runtime_pb2.ExpertResponse(metadata=InferenceReply(error=error, length=length).to_bytes())
 
 
-def tensor_reply(tensor: torch.Tensor, metadata: InferenceReply, stream: StreamState, codec: Codec = NONE,
+def tensor_reply(tensor: torch.Tensor | Encoded, metadata: InferenceReply, stream: StreamState, codec: Codec = NONE,
                  indices: torch.Tensor | None = None) -> Responses:
     """A reply carrying ``tensor`` in ``codec`` (``indices``: top-k's forced pattern), sealed on an encrypted
     stream, in chunk messages."""

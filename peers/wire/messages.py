@@ -178,6 +178,9 @@ class TrainOpen(Message):
     # chain: the peers of the adjacent stages (all their replicas in this run) that may push to us; empty = the trainer
     upstream: list[str] = dataclasses.field(default_factory=list)
     downstream: list[str] = dataclasses.field(default_factory=list)
+    # how this stage sends the run's tensors (``swarm.compression``): "none" (bit-exact), a codec ("fp16", "int8",
+    # "topk:0.1/int8") or "adaptive" (per link and direction, from the measured link and the compute time)
+    compression: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)
