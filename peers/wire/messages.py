@@ -174,6 +174,7 @@ class TrainOpen(Message):
     # chain: the peers of the adjacent stages (all their replicas in this run) that may push to us; empty = the trainer
     upstream: list[str] = dataclasses.field(default_factory=list)
     downstream: list[str] = dataclasses.field(default_factory=list)
+    staleness: int = 0  # 1: asynchronous steps: forwards may name the weights before the last step (``at_step``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +211,7 @@ class TrainForward(Message):
     # tensor (the input comes as a TrainPush); with a peer downstream the output is pushed there, not returned
     upstream: str = ""
     downstream: str = ""
+    at_step: int = -1  # staleness 1: run on the weights of this stage's step count (now or before its last step)
 
 
 @dataclasses.dataclass(frozen=True)
