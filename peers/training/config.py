@@ -136,6 +136,7 @@ _TRAIN_TYPES = {
     "micro_batch": "int", "steps": "int", "in_flight": "int", "average_every": "int", "outer_lr": "float",
     "outer_momentum": "float", "rechoose_every": "float",
     "checkpoint_dir": "path?", "checkpoint_every": "int", "seed": "int", "keep_activations": "bool",
+    "staleness": "int",
 }
 _PATH_KEYS = ("model_dir", "data", "checkpoint_dir")
 
@@ -165,6 +166,7 @@ class TrainConfig:
     checkpoint_every: int = 0
     seed: int = 0
     keep_activations: bool = True
+    staleness: int = 0  # 1: asynchronous steps (each step's gradients at the weights before the previous update)
     optim: OptimConfig = field(default_factory=OptimConfig)
 
     def __post_init__(self) -> None:
@@ -176,6 +178,9 @@ class TrainConfig:
                     for k in ("seq_len", "batch_size", "micro_batch", "steps", "in_flight") if getattr(self, k) < 1]
         problems += [f"{k} must be >= 0, got {getattr(self, k)}"
                      for k in ("average_every", "checkpoint_every", "seed") if getattr(self, k) < 0]
+        if self.staleness not in (0, 1):
+            problems.append(f"staleness must be 0 (synchronous steps, bit-exact with one process) or 1 "
+                            f"(asynchronous: the next step starts while one drains), got {self.staleness}")
         if self.rechoose_every < 0:
             problems.append(f"rechoose_every must be >= 0 seconds, got {self.rechoose_every}")
         if not 0 < self.outer_lr <= 2 or not 0 <= self.outer_momentum < 1:
