@@ -65,6 +65,10 @@ def add_train_command(sub) -> None:
                        help="how hidden states and grads travel between stages (overrides the config's): none "
                             "(bit-exact), fp16, bf16, int8, topk:FRACTION[/int8] or adaptive (per link: compressed "
                             "only as much as the link needs to keep up with the stages' compute)")
+    train.add_argument("--staleness", type=int, choices=(0, 1), default=None,
+                       help="1: asynchronous steps: the next step's forwards start while one drains and commits, and "
+                            "each step's gradients are taken at the weights before the previous update (for slow "
+                            "links); 0: synchronous, bit-exact with one process (default: the config's, else 0)")
     train.add_argument("--plan", action="store_true",
                        help="be the broker of this run: plan it from the swarm's peers and links, publish the plan "
                             "(signed), wait for the peers that allow this trainer to move to it, and train on its "
@@ -164,7 +168,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
                                average_every=config.average_every, outer_lr=config.outer_lr,
                                outer_momentum=config.outer_momentum, rechoose_every=config.rechoose_every,
                                pipeline_wait=args.wait_peers,  # also for a stage's peer that restarts mid-run
-                               topology=args.topology, plan=args.plan, compression=config.compression)
+                               topology=args.topology, plan=args.plan, compression=config.compression,
+                               staleness=config.staleness if args.staleness is None else args.staleness)
         path = trainer_checkpoint_path(config.checkpoint_dir, run_id) if config.checkpoint_dir else None
         resumed = path is not None and _resume(trainer, path, config, batches, console)
         extra = {**{k: getattr(config, k) for k in GEOMETRY}, "model": client.model_name,
@@ -173,7 +178,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         first = trainer.steps_done
 
         def save() -> None:
-            save_trainer_state(trainer, path, {**extra, "micro_batches_drawn": batches.drawn})
+            drawn = batches.drawn - trainer.ahead_batches  # (staleness 1: the next step's are not trained on yet)
+            save_trainer_state(trainer, path, {**extra, "micro_batches_drawn": drawn})
             saved_at.append(trainer.steps_done)
 
         def after_step(result: StepResult) -> None:

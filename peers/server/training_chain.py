@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Collection
 from typing import Protocol
 
 import torch
@@ -138,9 +139,11 @@ class TrainChain:
             self._given_up.set_result(why)
         self._given_up = None
 
-    def applied(self) -> None:
-        """The step was applied: what it exchanged is kept for a replay of a stage that missed its commit."""
-        self._applied, self._step = self._step, {}
+    def applied(self, pending: Collection[str] = ()) -> None:
+        """The step was applied: what it exchanged is kept for a replay of a stage that missed its commit. The
+        ``pending`` micro-batches (staleness 1: the next step's, forwarded already) stay with the step under way."""
+        self._applied = {m: kept for m, kept in self._step.items() if m not in pending}
+        self._step = {m: kept for m, kept in self._step.items() if m in pending}
 
     def kept(self, micro_id: str, what: str) -> torch.Tensor:
         if what not in KEPT:

@@ -123,6 +123,8 @@ class TrainingRPC:
         if not 1 <= request.accumulation <= 1 << 16 or min(request.checkpoint_every, request.run_step,
                                                             request.average_every) < 0:
             raise RequestError("accumulation must be in 1..65536, checkpoint_every, run_step and average_every >= 0")
+        if request.staleness not in (0, 1):
+            raise RequestError(f"staleness must be 0 (synchronous steps) or 1 (asynchronous), got {request.staleness}")
         if request.average_every and request.replicas and self.stream_for is None:
             raise RequestError("this peer cannot reach other peers to average with its replicas")
         self.chain.check_open(request)
@@ -136,6 +138,7 @@ class TrainingRPC:
             self.trainer.reset_accumulation()  # a re-opened run starts its step afresh
             self.trainer.accumulation, self.trainer.auto_step = request.accumulation, not request.explicit_apply
             self.trainer.keep_activations = request.keep_activations
+        self.trainer.staleness = request.staleness
         caught_up = False
         others = [p for p in request.replicas if p != self.info.peer_id]
         if request.run_step > self.trainer.step and others:
@@ -222,7 +225,7 @@ class TrainingRPC:
     async def forward(self, request: TrainForward, hidden: torch.Tensor, stream: object) -> torch.Tensor:
         trainer = self._trainer(request.run_id, stream)
         positions = _positions(hidden)
-        return await self._compute(trainer.forward, request.micro_id, hidden, positions)
+        return await self._compute(trainer.forward, request.micro_id, hidden, positions, at_step=request.at_step)
 
     async def backward(self, request: TrainBackward, tensor: torch.Tensor, stream: object) -> torch.Tensor:
         """The grad of the micro-batch's input; a refused grad drops the micro-batch and applies nothing. A
@@ -258,7 +261,7 @@ class TrainingRPC:
             logger.warning("Run %r: step not applied: %s", self.run_id, e)
             raise
         if trainer.step != before:
-            self.chain.applied()
+            self.chain.applied(trainer.pending_ids())
             await self._after_step(trainer)
         return trainer.step
 
@@ -333,7 +336,7 @@ class TrainingRPC:
         with torch.no_grad():
             vector_to_parameters(flat.to(next(self.blocks.parameters()).dtype), list(self.blocks.parameters()))
         if self.trainer is not None:
-            self.trainer.version += 1
+            self.trainer.weights_replaced()
 
     def drop(self, request: TrainBackward, stream: object) -> None:
         """Forget a micro-batch whose backward was refused (its gradients are never applied)."""

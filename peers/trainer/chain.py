@@ -32,6 +32,7 @@ import torch
 from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
 from peers.client.retry import classify
+from peers.trainer.step_run import StepRun
 from peers.wire.errors import ChainError, MovedError, RequestError
 from peers.wire.messages import InferenceReply, Message, TrainBackward, TrainForward
 from swarm.compression import Encoded
@@ -63,11 +64,13 @@ def neighbours(replicas: list[list[PeerRecord]], start: int, end: int) -> tuple[
     return before, after
 
 
-def forward_messages(run_id: str, micro_id: str, route: list[str]) -> list[TrainForward]:
-    """Stage k's forward: its input from stage k-1 (or the trainer), its output to stage k+1 (or the trainer)."""
-    last = len(route) - 1
+def forward_messages(run_id: str, micro_id: str, route: list[str], at_steps: list[int] | None = None
+                     ) -> list[TrainForward]:
+    """Stage k's forward: its input from stage k-1 (or the trainer), its output to stage k+1 (or the trainer);
+    ``at_steps``: the weights each uses (staleness 1, ``TrainForward.at_step``)."""
+    last, at = len(route) - 1, at_steps or [-1] * len(route)
     return [TrainForward(run_id=run_id, micro_id=micro_id, upstream=route[k - 1] if k else "",
-                         downstream=route[k + 1] if k < last else "") for k in range(len(route))]
+                         downstream=route[k + 1] if k < last else "", at_step=at[k]) for k in range(len(route))]
 
 
 def backward_messages(run_id: str, micro_id: str, route: list[str], scales: list[float]) -> list[TrainBackward]:
@@ -137,16 +140,16 @@ def _ignore(task: asyncio.Future) -> None:
         task.exception()
 
 
-async def micro_batch(trainer: Any, input_ids: torch.Tensor, index: int, stage_steps: list[int],
-                      stage_busy: list[float]) -> float:
-    """Micro-batch ``index`` of the step through the chain (``SwarmTrainer._micro_batch``'s chain twin); the loss."""
+async def micro_batch(trainer: Any, run: StepRun, input_ids: torch.Tensor, index: int) -> float:
+    """Micro-batch ``index`` of step ``run`` through the chain (``SwarmTrainer._micro_batch``'s chain twin); the
+    loss."""
     from peers.model.local import default_position_ids
     from peers.training import loss_of
 
-    client = trainer.client
-    micro_id = f"{trainer.steps_done}.{index}@{trainer.attempt}"
+    client, stage_steps, stage_busy = trainer.client, run.stage_steps, run.stage_busy
+    micro_id = f"{run.index}.{index}@{run.attempt}"
     input_ids = input_ids.to(client.device)
-    embedded = client.embedding.embed(input_ids, default_position_ids(input_ids))  # with grad: trains here
+    embedded = run.embed(client.embedding, input_ids, default_position_ids(input_ids))  # with grad: trains here
     stages = range(len(trainer.replicas))
     replica = [trainer.assignment[k][index] for k in stages]
     route = [trainer.replicas[k][replica[k]].peer_id for k in stages]
@@ -154,7 +157,8 @@ async def micro_batch(trainer: Any, input_ids: torch.Tensor, index: int, stage_s
     last = len(route) - 1
     sending = trainer.compression  # hidden, grad: what the stages decode (the record's)
     payload, hidden = sending.send(route[0], FORWARD, embedded.detach())
-    replies = await run_phase(trainer, route, list(forward_messages(trainer.run_id, micro_id, route)),
+    at_steps = [run.at_step(peer) for peer in route]
+    replies = await run_phase(trainer, route, list(forward_messages(trainer.run_id, micro_id, route, at_steps)),
                               [payload, *([None] * last)])
     output, pattern = replies[last][1], replies[last][2]
     sending.note_compute(route[0], FORWARD, replies[0][0].compute_ms / 1e3)
@@ -162,15 +166,17 @@ async def micro_batch(trainer: Any, input_ids: torch.Tensor, index: int, stage_s
         raise RequestError(f"the last stage's forward reply carries no output (micro-batch {micro_id})")
     for k, (reply, *_) in enumerate(replies):
         stage_busy[k] += reply.compute_ms / 1e3
-    record = trainer._record
+    record = run.record
     if record is not None:  # only what the trainer saw; the stages keep the rest (``TrainFetch``) for a replay
         for k in stages:
             record.forward(k, index, route[k], hidden if k == 0 else None, output if k == last else None,
                            micro_id=micro_id, upstream=route[k - 1] if k else "",
                            downstream=route[k + 1] if k < last else "")
     last_hidden = output.to(client.device, client.dtype).requires_grad_(True)
-    loss = loss_of(client.head.head(last_hidden), input_ids) / trainer.accumulation
-    grad, *head_grads = torch.autograd.grad(loss, [last_hidden, *trainer.part.params], allow_unused=True)
+    loss = loss_of(run.head(client.head, last_hidden), input_ids) / trainer.accumulation
+    grad, *head_grads = torch.autograd.grad(loss, [last_hidden, *run.params], allow_unused=True)
+    await run.before_backward()  # staleness 1: the step before is applied everywhere first
+
     def submitted() -> None:  # stages compute chained requests in the order they came: the order of the submits
         if record is not None:
             for k in stages:
@@ -188,7 +194,7 @@ async def micro_batch(trainer: Any, input_ids: torch.Tensor, index: int, stage_s
         stage_busy[k] += reply.compute_ms / 1e3
         if record is not None:
             record.backward(k, index, grad if k == last else None, reply.step, ordered=False)
-    embedding_grads = torch.autograd.grad(embedded, trainer.part.params, grad_input.to(client.device, client.dtype),
+    embedding_grads = torch.autograd.grad(embedded, run.params, grad_input.to(client.device, client.dtype),
                                           allow_unused=True)
     trainer.part.add(head_grads, embedding_grads)
     return float(loss.detach())

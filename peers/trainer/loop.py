@@ -71,11 +71,15 @@ def train_loop(trainer: SwarmTrainer, batches: TokenBatches, steps: int, *, cons
                TextColumn("{task.fields[info]}"), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("train", total=steps, completed=start_step, info="")
+        upcoming: list[torch.Tensor] | None = None
         while trainer.steps_done < steps:
             step = trainer.steps_done + 1
-            micro = [batches.next_micro() for _ in range(trainer.accumulation)]
+            micro = upcoming or [batches.next_micro() for _ in range(trainer.accumulation)]
+            # staleness 1: the next step's micro-batches start while this one drains
+            upcoming = [batches.next_micro() for _ in range(trainer.accumulation)] \
+                if getattr(trainer, "staleness", 0) and step < steps else None
             try:
-                result = trainer.train_step(micro)
+                result = trainer.train_step(micro, upcoming) if upcoming is not None else trainer.train_step(micro)
             except Exception as e:
                 raise StepFailed(f"training step {step} failed ({type(e).__name__}: {e})") from e
             tokens, seconds = tokens + result.tokens, seconds + result.seconds

@@ -23,9 +23,14 @@ replicas average their parameters (``peers.server.averaging``, DiLoCo-style). Op
 replica reports its step in the run, then one behind its span's most advanced replica is re-opened with that
 step and catches up from it (weights and step count), so newer weights are never replaced by older ones.
 
-Weight staleness is zero: a step's micro-batches all see the same weights, because stages apply updates
+Weight staleness is zero by default: a step's micro-batches all see the same weights, because stages apply updates
 only on ``train_apply`` and the next step starts after it. The price is a pipeline fill and drain per step
 (with S stages and M micro-batches the bubble is about (S-1)/(M+S-1)); more micro-batches per step shrink it.
+With ``staleness=1`` (asynchronous steps, ``peers.trainer.step_run``) ``train_step(batches, upcoming)`` starts the
+next step's forwards while this one drains and commits; each step's gradients are taken at the weights from before
+the previous step's update (w[n+1] = w[n] - lr * g(w[n-1])), the same whether or not the steps overlapped, so a
+one-process reference with that schedule gives the same losses. A failure, or any re-opening of the run, drops the
+step started ahead and finishes the step synchronously (at the current weights), then the overlap resumes.
 Between averaging rounds, replicas of a stage drift apart (by design, as in DiLoCo); that is not staleness.
 
 Peers join and leave mid-run: one that dies costs a retry of the step (above); one that starts serving a span
@@ -53,7 +58,9 @@ from peers.trainer import chain
 from peers.trainer.pipeline import stage_groups
 from peers.trainer.replay import StageShare, StepRecord, recover
 from peers.trainer.run_plan import RunPlanner
+from peers.trainer.step_run import StepRun
 from peers.training import OptimConfig, PartOptimizer, loss_of, unique_parameters
+from peers.training.versions import WeightVersions
 from peers.wire.errors import ChainError, MovedError, RequestError
 from peers.wire.messages import TrainApply, TrainBackward, TrainForward, TrainOpen
 from privacy.errors import MembershipError
@@ -99,9 +106,13 @@ class SwarmTrainer:
                  checkpoint_every: int = 0, average_every: int = 0, outer_lr: float = 1.0,
                  outer_momentum: float = 0.0, rechoose_every: float = 30.0, pipeline_wait: float = 60.0,
                  topology: str = "chain", plan: bool = False, compression: str = "none",
-                 stage_compression: dict[int, str] | None = None) -> None:
+                 stage_compression: dict[int, str] | None = None, staleness: int = 0) -> None:
         if accumulation < 1 or in_flight < 1:
             raise ValueError("accumulation and in_flight must be >= 1")
+        if staleness not in (0, 1):
+            raise ValueError(f"staleness must be 0 (synchronous steps) or 1 (asynchronous), got {staleness}")
+        if staleness and recompute:
+            raise ValueError("staleness 1 needs stages that keep each micro-batch's input (recompute=False)")
         # how the run's tensors travel (``swarm.compression``): the trainer's own sends, and each stage's unless
         # ``stage_compression`` names another setting for stage k (what that stage sends: e.g. behind a slow uplink)
         self.compression = RunCompression(compression, client.router.links)
@@ -144,6 +155,14 @@ class SwarmTrainer:
         # plan=True: this trainer is the broker of its run: it plans it, publishes the plan, waits for the peers to
         # move and trains on the plan's group nearest it (peers.trainer.run_plan); else the tiling of swarm.stages
         self.planner = RunPlanner(self) if plan else None
+        # staleness 1: a step's gradients are taken at the weights before the previous step (``StepRun``)
+        self.staleness = staleness
+        self.versions = WeightVersions(self.part.params)  # the trainer part's kept weights (staleness 1)
+        self._ahead: StepRun | None = None  # the next step, started while the last one drained (staleness 1)
+        self._gate: asyncio.Semaphore | None = None  # micro-batches in flight, over both steps
+        self._opened = 0  # times the run was (re-)opened: a step started before a re-open is dropped
+        self._clean = False  # the last step was applied everywhere since the run was opened: the next may be stale
+        self._peer_steps: dict[str, int] = {}  # each stage peer's step count (the weights ``at_step`` names)
 
     # ---- synchronous API -------------------------------------------------------------------------
     def start(self, wait: float | None = None) -> list[PeerRecord]:
@@ -158,9 +177,17 @@ class SwarmTrainer:
             self.stages = []
             self.client.loop.run(self.start_async())
 
-    def train_step(self, micro_batches: Sequence[torch.Tensor]) -> StepResult:
-        """One optimizer step over ``accumulation`` micro-batches of token ids ``[b, T + 1]``."""
-        return self.client.loop.run(self.train_step_async(micro_batches))
+    def train_step(self, micro_batches: Sequence[torch.Tensor], upcoming: Sequence[torch.Tensor] | None = None
+                   ) -> StepResult:
+        """One optimizer step over ``accumulation`` micro-batches of token ids ``[b, T + 1]``. With staleness 1,
+        ``upcoming`` (the next step's micro-batches, passed as the next call's ``micro_batches``) start while this
+        step drains."""
+        return self.client.loop.run(self.train_step_async(micro_batches, upcoming))
+
+    @property
+    def ahead_batches(self) -> int:
+        """Micro-batches of the next step already handed over (``upcoming``): not trained on yet."""
+        return len(self._ahead.batches) if self._ahead is not None else 0
 
     def evaluate(self, input_ids: torch.Tensor) -> float:
         """Mean next-token loss on ``input_ids`` through the swarm (plain forward, no training state)."""
@@ -196,6 +223,7 @@ class SwarmTrainer:
                                 steps[record.peer_id], short_id(ordered[0]), ahead)
                     steps[record.peer_id] = await self._open(record, share, ordered, ahead)
         request_steps = [steps[r.peer_id] for group in self.replicas for r in group]
+        self._peer_steps, self._opened, self._clean = dict(steps), self._opened + 1, False
         self.run_step = max(run_step, *request_steps)
         logger.info("Run %s: stages %s (their steps: %s)", self.run_id, " -> ".join(
             f"{g[0].start}:{g[0].end}@" + "+".join(f"{short_id(r.peer_id)}" for r in g) for g in self.replicas),
@@ -212,7 +240,7 @@ class SwarmTrainer:
             run_id=self.run_id, start=record.start, end=record.end, optim=self.optim.to_dict(), accumulation=share,
             keep_activations=self.keep_activations, checkpoint_every=self.checkpoint_every, replicas=replicas,
             average_every=self.average_every, outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
-            explicit_apply=True, run_step=run_step, upstream=upstream, downstream=downstream,
+            explicit_apply=True, run_step=run_step, upstream=upstream, downstream=downstream, staleness=self.staleness,
             compression=self.stage_compression.get(self._stage_index(record), self.compression.setting),
         ), None)
         return reply.step
@@ -256,70 +284,111 @@ class SwarmTrainer:
             return await self.planner.groups(grace)
         return await stage_groups(self, grace, since=self.broken_since or None)
 
-    async def train_step_async(self, micro_batches: Sequence[torch.Tensor]) -> StepResult:
+    async def train_step_async(self, micro_batches: Sequence[torch.Tensor],
+                               upcoming: Sequence[torch.Tensor] | None = None) -> StepResult:
         """Run the step's micro-batches (retried on another pipeline if a stage peer fails), then commit it."""
-        if len(micro_batches) != self.accumulation:
-            raise ValueError(f"a step takes {self.accumulation} micro-batches (accumulation), got {len(micro_batches)}")
+        for batches in (micro_batches, upcoming):
+            if batches is not None and len(batches) != self.accumulation:
+                raise ValueError(f"a step takes {self.accumulation} micro-batches (accumulation), got {len(batches)}")
         started, failures = time.perf_counter(), 0
-        while True:
-            self.attempt += 1
-            try:
-                if self.planner is not None:
-                    await self.planner.publish()  # its record must outlive the run
-                if not self.stages:
-                    await self.start_async()
-                elif self.rechoose_every and self.planner is None and \
-                        time.monotonic() - self._chosen_at >= self.rechoose_every:  # (a plan picks its group)
-                    await self._adopt_joiners()
-                stage_steps: list[int] = [0] * len(self.replicas)
-                stage_busy: list[float] = [0.0] * len(self.replicas)
-                self._record = StepRecord([(g[0].start, g[0].end) for g in self.replicas])
-                losses = await self._run_micro_batches(micro_batches, stage_steps, stage_busy)
-                break
-            except StageFailure as failure:
-                self.part.zero_grad()  # the trainer's share of the failed attempt is discarded too
-                failures, self.broken_since = failures + 1, self.broken_since or time.monotonic()
-                self._report(failure.peer_id, failure.error, failure.started)
-                # a lone stage's peer that restarts fails every try until it serves again: give up only after
-                # max_retries tries *and* pipeline_wait seconds
-                if failures > self.client.config.max_retries and \
-                        time.monotonic() - self.broken_since >= self.pipeline_wait:
-                    raise RuntimeError(f"step {self.steps_done} failed {failures} times in "
-                                       f"{time.monotonic() - self.broken_since:.0f} s (last: {failure}); check `swarm "
-                                       f"status` and that peers whose spans tile the model are up") from failure
-                logger.warning("Run %s: %s; re-choosing the stages and retrying step %d", self.run_id, failure,
-                               self.steps_done)
-                await asyncio.sleep(backoff(failures))
-                self.stages = []  # choose again; re-opening the run discards every stage's partial step
-        await self._commit(stage_steps)
-        self.part.step()
-        self.steps_done += 1
+        self._gate = self._gate or asyncio.Semaphore(self.in_flight)
+        ahead, self._ahead = self._ahead, None
+        run: StepRun | None = None
+        following: StepRun | None = None
+        try:
+            if ahead is not None and ahead.batches is not micro_batches:  # not the step started ahead: drop it
+                await ahead.cancel()
+                ahead, self.stages = None, []  # (re-opening the run forgets its forwards on the stages)
+            while True:
+                self.attempt += 1
+                try:
+                    if self.planner is not None:
+                        await self.planner.publish()  # its record must outlive the run
+                    if not self.stages:
+                        await self.start_async()
+                    elif self.rechoose_every and self.planner is None and \
+                            time.monotonic() - self._chosen_at >= self.rechoose_every:  # (a plan picks its group)
+                        await self._adopt_joiners()
+                    if ahead is not None and ahead.opened != self._opened:  # the run was re-opened since
+                        await ahead.cancel()
+                        ahead = None
+                    run, ahead = ahead or self._step_run(micro_batches, ahead=False), None
+                    if not run.tasks:
+                        run.start(self._gate, self._one)
+                    if self.staleness and upcoming is not None:
+                        following = self._step_run(upcoming, ahead=True)
+                        following.start(self._gate, self._one)
+                    losses = await run.losses()
+                    break
+                except StageFailure as failure:
+                    for other in (run, following):
+                        if other is not None:
+                            await other.cancel()
+                    run = following = None
+                    self.part.zero_grad()  # the trainer's share of the failed attempt is discarded too
+                    failures, self.broken_since = failures + 1, self.broken_since or time.monotonic()
+                    self._report(failure.peer_id, failure.error, failure.started)
+                    # a lone stage's peer that restarts fails every try until it serves again: give up only after
+                    # max_retries tries *and* pipeline_wait seconds
+                    if failures > self.client.config.max_retries and \
+                            time.monotonic() - self.broken_since >= self.pipeline_wait:
+                        raise RuntimeError(f"step {self.steps_done} failed {failures} times in "
+                                           f"{time.monotonic() - self.broken_since:.0f} s (last: {failure}); check "
+                                           "`swarm status` and that peers whose spans tile the model are up"
+                                           ) from failure
+                    logger.warning("Run %s: %s; re-choosing the stages and retrying step %d", self.run_id, failure,
+                                   self.steps_done)
+                    await asyncio.sleep(backoff(failures))
+                    self.stages = []  # choose again; re-opening the run discards every stage's partial step
+            self._record = run.record
+            await self._commit(run.stage_steps)
+            self._own_step()
+            self.steps_done += 1
+        except BaseException:
+            if following is not None:
+                await following.cancel()
+            raise
         if self.stages:  # every stage applied it: the run is whole again
-            self.broken_since = 0.0
+            self.broken_since, self._clean = 0.0, True
             if self.planner is not None:
                 self.planner.recovered()
-        busy = [b / len(group) for b, group in zip(stage_busy, self.replicas, strict=True)]  # per replica
-        return StepResult(sum(losses), sum(int(m[:, 1:].numel()) for m in micro_batches), stage_steps,
+        if following is not None:
+            if self.stages and following.opened == self._opened:
+                following.ready.set()  # its backwards may go: every part applied this step
+                self._ahead = following
+            else:  # a stage missed the commit: the run is re-opened before the next step, which starts afresh
+                await following.cancel()
+        busy = [b / len(group) for b, group in zip(run.stage_busy, self.replicas, strict=True)]  # per replica
+        return StepResult(sum(losses), sum(int(m[:, 1:].numel()) for m in micro_batches), run.stage_steps,
                           time.perf_counter() - started, busy, [s.peer_id for s in self.stages])
 
-    async def _run_micro_batches(self, micro_batches: Sequence[torch.Tensor], stage_steps: list[int],
-                                 stage_busy: list[float]) -> list[float]:
-        gate = asyncio.Semaphore(self.in_flight)
+    def _step_run(self, batches: Sequence[torch.Tensor], *, ahead: bool) -> StepRun:
+        """The step of ``batches``: the one after the step under way (``ahead``), or the next one now. Staleness 1:
+        its weights are those before the last step's update (before the one under way, when ``ahead``); right
+        after a (re-)open, the current ones."""
+        spans = [(g[0].start, g[0].end) for g in self.replicas]
+        common = {"params": self.part.params, "attempt": self.attempt, "opened": self._opened, "ready": not ahead}
+        if not self.staleness or not (ahead or self._clean):
+            return StepRun(self.steps_done + ahead, batches, spans, **common)
+        back = 0 if ahead else 1
+        own = self.versions.at(self.part.step_count - back, self.part.step_count)
+        at_steps = {peer: step - back for peer, step in self._peer_steps.items()}
+        return StepRun(self.steps_done + ahead, batches, spans, own=own, at_steps=at_steps, **common)
 
-        async def one(index: int, input_ids: torch.Tensor) -> float:
-            async with gate:
-                if self.topology == "chain":
-                    return await chain.micro_batch(self, input_ids, index, stage_steps, stage_busy)
-                return await self._micro_batch(input_ids, index, stage_steps, stage_busy)
+    async def _one(self, run: StepRun, input_ids: torch.Tensor, index: int) -> float:
+        if self.topology == "chain":
+            return await chain.micro_batch(self, run, input_ids, index)
+        return await self._micro_batch(run, input_ids, index)
 
-        tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(micro_batches)]
+    def _own_step(self) -> None:
+        """The trainer part's optimizer step; staleness 1 keeps the weights before it for the next step."""
+        before = self.part.step_count
+        if self.staleness:
+            self.versions.before_step(before)
         try:
-            return await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+            self.part.step()
+        finally:
+            self.versions.after_step(before)
 
     async def _commit(self, stage_steps: list[int]) -> None:
         """Phase two: every replica applies its share of the step at once (and averages when due)."""
@@ -340,6 +409,7 @@ class SwarmTrainer:
                 self.broken_since = self.broken_since or time.monotonic()
             else:
                 applied[stage] = max(applied.get(stage, 0), result[0].step)
+                self._peer_steps[peer_id] = result[0].step
                 stage_steps[stage] = max(stage_steps[stage], result[0].step)
                 self.run_step = max(self.run_step, result[0].step)
         record, self._record = self._record, None
@@ -382,32 +452,32 @@ class SwarmTrainer:
         """What a broken stream, a timeout or a chain's ``failed_peer`` becomes: the step is retried without it."""
         return StageFailure(peer_id, error, started)
 
-    async def _micro_batch(self, input_ids: torch.Tensor, index: int, stage_steps: list[int],
-                           stage_busy: list[float]) -> float:
+    async def _micro_batch(self, run: StepRun, input_ids: torch.Tensor, index: int) -> float:
         """Micro-batch ``index`` of the step: forward through a replica of each stage, loss, backward.
 
         Each replica averages the gradients of its own share of the step's micro-batches (it takes a full
         AdamW step on them); the trainer's part averages over all of them. So the gradient a replica gets is
         scaled by ``accumulation / share`` (exactly 1 with one replica), and scaled back on its way out.
         """
-        client = self.client
-        micro_id = f"{self.steps_done}.{index}"
+        client, stage_steps, stage_busy, record = self.client, run.stage_steps, run.stage_busy, run.record
+        micro_id = f"{run.index}.{index}"
         input_ids = input_ids.to(client.device)
         positions = default_position_ids(input_ids)
-        embedded = client.embedding.embed(input_ids, positions)  # with grad: the embedding trains here
+        embedded = run.embed(client.embedding, input_ids, positions)  # with grad: the embedding trains here
         hidden, inputs, route = embedded.detach(), [], []
         for stage, group in enumerate(self.replicas):
             replica = self.assignment[stage][index]
             route.append((group[replica].peer_id, self.accumulation / self.shares[stage][replica]))
             inputs.append(hidden)
             self.bytes_sent += hidden.numel() * hidden.element_size()
-            reply, hidden = await self._call(route[-1][0], TrainForward(run_id=self.run_id, micro_id=micro_id), hidden)
+            message = TrainForward(run_id=self.run_id, micro_id=micro_id, at_step=run.at_step(route[-1][0]))
+            reply, hidden = await self._call(route[-1][0], message, hidden)
             stage_busy[stage] += reply.compute_ms / 1e3
-            if self._record is not None:  # kept until the commit, to replay the step on a stage that misses it
-                self._record.forward(stage, index, route[-1][0], inputs[-1], hidden)
+            record.forward(stage, index, route[-1][0], inputs[-1], hidden)  # to replay it on a stage that misses it
         last = hidden.to(client.device, client.dtype).requires_grad_(True)
-        loss = loss_of(client.head.head(last), input_ids) / self.accumulation
-        grad, *head_grads = torch.autograd.grad(loss, [last, *self.part.params], allow_unused=True)
+        loss = loss_of(run.head(client.head, last), input_ids) / self.accumulation
+        grad, *head_grads = torch.autograd.grad(loss, [last, *run.params], allow_unused=True)
+        await run.before_backward()  # staleness 1: the step before is applied everywhere first
         for stage in reversed(range(len(self.replicas))):
             peer_id, scale = route[stage]
             unscaled, grad = grad, grad * scale if scale != 1 else grad
@@ -415,12 +485,11 @@ class SwarmTrainer:
             self.bytes_sent += payload.numel() * payload.element_size()
             message = TrainBackward(run_id=self.run_id, micro_id=micro_id, recompute=self.recompute)
             reply, grad = await self._call(peer_id, message, payload)
-            if self._record is not None:
-                self._record.backward(stage, index, unscaled, reply.step)
+            record.backward(stage, index, unscaled, reply.step)
             grad = grad / scale if scale != 1 else grad
             stage_steps[stage] = max(stage_steps[stage], reply.step)
             stage_busy[stage] += reply.compute_ms / 1e3
-        embedding_grads = torch.autograd.grad(embedded, self.part.params, grad.to(client.device, client.dtype),
+        embedding_grads = torch.autograd.grad(embedded, run.params, grad.to(client.device, client.dtype),
                                               allow_unused=True)
         self.part.add(head_grads, embedding_grads)
         return float(loss.detach())

@@ -139,6 +139,7 @@ _TRAIN_TYPES = {
     "outer_momentum": "float", "rechoose_every": "float",
     "checkpoint_dir": "path?", "checkpoint_every": "int", "seed": "int", "keep_activations": "bool",
     "compression": "str",
+    "staleness": "int",
 }
 _PATH_KEYS = ("model_dir", "data", "checkpoint_dir")
 
@@ -171,6 +172,7 @@ class TrainConfig:
     # how the run's hidden states and grads travel between stages (``swarm.compression``): "none" (bit-exact), a
     # codec ("fp16", "bf16", "int8", "topk:0.1/int8") or "adaptive" (AdaTopK per link and direction)
     compression: str = "none"
+    staleness: int = 0  # 1: asynchronous steps (each step's gradients at the weights before the previous update)
     optim: OptimConfig = field(default_factory=OptimConfig)
 
     def __post_init__(self) -> None:
@@ -182,6 +184,9 @@ class TrainConfig:
                     for k in ("seq_len", "batch_size", "micro_batch", "steps", "in_flight") if getattr(self, k) < 1]
         problems += [f"{k} must be >= 0, got {getattr(self, k)}"
                      for k in ("average_every", "checkpoint_every", "seed") if getattr(self, k) < 0]
+        if self.staleness not in (0, 1):
+            problems.append(f"staleness must be 0 (synchronous steps, bit-exact with one process) or 1 "
+                            f"(asynchronous: the next step starts while one drains), got {self.staleness}")
         if self.rechoose_every < 0:
             problems.append(f"rechoose_every must be >= 0 seconds, got {self.rechoose_every}")
         if not 0 < self.outer_lr <= 2 or not 0 <= self.outer_momentum < 1:

@@ -2,7 +2,10 @@
 
 It splits the parameters into the same parts as the swarm (the trainer's embedding + head, and one
 part per stage range) and gives each part its own AdamW and its own grad-norm clipping, so a swarm
-run with the same stage ranges must reproduce its parameters and losses.
+run with the same stage ranges must reproduce its parameters and losses. With ``staleness=1`` each step's gradients
+are taken at the weights from before the previous step (w[n+1] = w[n] - lr * g(w[n-1]); the first step at w[0]),
+as a swarm run with asynchronous steps computes them: the old weights are copied in for the forwards and backwards,
+and the current ones back for the optimizer step.
 """
 
 from __future__ import annotations
@@ -51,9 +54,13 @@ class LocalTrainer:
 
     def __init__(self, model_dir: str | Path, optim: OptimConfig, accumulation: int, *,
                  stages: Sequence[tuple[int, int]] | None = None, device: str | torch.device = "cpu",
-                 dtype: torch.dtype | None = torch.float32) -> None:
+                 dtype: torch.dtype | None = torch.float32, staleness: int = 0) -> None:
         if accumulation < 1:
             raise ValueError(f"accumulation must be >= 1, got {accumulation}")
+        if staleness not in (0, 1):
+            raise ValueError(f"staleness must be 0 or 1, got {staleness}")
+        self.staleness = staleness
+        self._before: list[torch.Tensor] | None = None  # staleness 1: every weight before the last step
         self.config = ModelConfig.from_dir(model_dir)
         self.accumulation = accumulation
         ranges = check_stage_ranges(stages or [(0, self.config.num_layers)], self.config.num_layers)
@@ -83,12 +90,21 @@ class LocalTrainer:
         if len(micro_batches) != self.accumulation:
             raise ValueError(f"train_step needs {self.accumulation} micro-batches (accumulation), "
                              f"got {len(micro_batches)}")
+        parts = (self.client, *self.stage_parts)
+        params = [p for part in parts for p in part.params]
+        now = [p.detach().clone() for p in params] if self._before is not None else None
+        if self._before is not None:
+            _copy(params, self._before)  # staleness 1: the gradients are taken at the weights before the last step
         total = 0.0
         for input_ids in micro_batches:
             loss = loss_of(self.logits(input_ids), input_ids) / self.accumulation
             loss.backward()
             total += loss.item()
-        for part in (self.client, *self.stage_parts):
+        if now is not None:
+            _copy(params, now)
+        if self.staleness:
+            self._before = [p.detach().clone() for p in params]
+        for part in parts:
             part.step()
         return total
 
@@ -106,3 +122,9 @@ class LocalTrainer:
                 index, rest = k.split(".", 1)
                 out[f"blocks.{blocks.start + int(index)}.{rest}"] = p.detach()
         return out
+
+
+def _copy(params: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for p, value in zip(params, values, strict=True):
+            p.copy_(value)

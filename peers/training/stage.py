@@ -6,9 +6,13 @@ parameter gradients. After ``accumulation`` backward passes the stage clips its 
 (clipping is per stage), steps AdamW on the lr schedule and zeroes the grads.
 
 A graph saved before an optimizer step is stale (its weights changed): backward then recomputes the
-forward from the saved input with the current weights. Gradients are checked before they touch the
-accumulators, so a bad micro-batch (``GradientError``) leaves parameters and accumulated grads as they were, and
-a step that would make a weight non-finite is rolled back and refused (``GradientError``): it is never served.
+forward from the saved input with the current weights. With ``staleness`` 1 (asynchronous steps) a forward may
+name the weights of a step count (``at_step``: the current one or the one before the last step): it runs on a
+kept copy of them (``peers.training.versions``), and its backward runs against that same copy.
+
+Gradients are checked before they touch the accumulators, so a bad micro-batch (``GradientError``) leaves
+parameters and accumulated grads as they were, and a step that would make a weight non-finite is rolled back and
+refused (``GradientError``): it is never served.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from peers.model.blocks import StageBlocks
 from .config import OptimConfig
 from .part import NonFiniteStep, PartOptimizer
 from .state import load_stage_state, save_stage_state
+from .versions import WeightVersions, call_with
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +47,7 @@ class _Saved:
     leaf: torch.Tensor | None = None  # input leaf of the saved graph
     output: torch.Tensor | None = None  # output with graph, when activations are kept
     version: int = -1  # weight version the graph was built with
+    weights: list[torch.Tensor] | None = None  # staleness 1: the kept copy of the weights its forward ran on
 
 
 class StageTrainer:
@@ -63,6 +69,8 @@ class StageTrainer:
         self.micro_count = 0  # backward passes since the last optimizer step
         self._pending: dict[str, _Saved] = {}
         self._lock = threading.Lock()
+        self.staleness = 0  # 1: forwards may name the weights of the step before (``at_step``)
+        self.versions = WeightVersions(self.part.params)
 
     @property
     def step(self) -> int:
@@ -79,6 +87,11 @@ class StageTrainer:
         """Micro-batches forwarded here and not yet backwarded or dropped."""
         return len(self._pending)
 
+    def pending_ids(self) -> set[str]:
+        """The ids of the micro-batches forwarded here and not yet backwarded or dropped."""
+        with self._lock:
+            return set(self._pending)
+
     def _check_input(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> None:
         if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or not hidden.is_floating_point():
             got = getattr(hidden, "shape", hidden)
@@ -87,17 +100,27 @@ class StageTrainer:
             raise ValueError(f"position_ids must be [batch, seq] = {tuple(hidden.shape[:2])}, "
                              f"got {getattr(position_ids, 'shape', position_ids)}")
 
-    def _run(self, hidden: torch.Tensor, position_ids: torch.Tensor, *, grad: bool = True
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Blocks on a fresh input leaf; with ``grad`` the output carries the graph."""
+    def _run(self, hidden: torch.Tensor, position_ids: torch.Tensor, *, grad: bool = True,
+             weights: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks on a fresh input leaf (on ``weights``, a kept copy, if given); with ``grad`` the output carries
+        the graph."""
         leaf = hidden.detach().requires_grad_(grad)
         with torch.set_grad_enabled(grad):
-            out, _ = self.blocks(leaf, position_ids)
+            if weights is None:
+                out, _ = self.blocks(leaf, position_ids)
+            else:
+                by_id = {id(p): w for p, w in zip(self.part.params, weights, strict=True)}
+                out, _ = call_with(self.blocks, by_id, leaf, position_ids)
         return leaf, out
 
-    def forward(self, micro_id: str, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Run the blocks on ``hidden [B, T, H]``; remember the micro-batch for ``backward``; return the output."""
+    def forward(self, micro_id: str, hidden: torch.Tensor, position_ids: torch.Tensor, *, at_step: int = -1
+                ) -> torch.Tensor:
+        """Run the blocks on ``hidden [B, T, H]``; remember the micro-batch for ``backward``; return the output.
+        ``at_step`` >= 0 (staleness 1 only): on the weights of that step count (now or before the last step)."""
         self._check_input(hidden, position_ids)
+        if at_step >= 0 and not self.staleness:
+            raise ValueError(f"micro-batch {micro_id!r} names the weights of step {at_step}, but the run was opened "
+                             "with staleness 0: open it with staleness=1 for asynchronous steps")
         with self._lock:
             if micro_id in self._pending:
                 raise ValueError(f"micro-batch {micro_id!r} is already pending here: use a fresh id per micro-batch")
@@ -105,7 +128,9 @@ class StageTrainer:
                 raise ValueError(f"{len(self._pending)} micro-batches are pending (max_pending={self.max_pending}): "
                                  "backward or drop some before sending more")
             saved = _Saved(hidden.detach(), position_ids.detach())
-            leaf, out = self._run(hidden, position_ids, grad=self.keep_activations)
+            if at_step >= 0:
+                saved.weights = self.versions.at(at_step, self.step)
+            leaf, out = self._run(hidden, position_ids, grad=self.keep_activations, weights=saved.weights)
             if self.keep_activations:
                 saved.leaf, saved.output, saved.version = leaf, out, self.version
             self._pending[micro_id] = saved
@@ -128,11 +153,11 @@ class StageTrainer:
                 saved = _Saved(hidden.detach(), position_ids.detach())
             self._check_grad(micro_id, grad_output, saved.hidden)
             grad_output = grad_output.to(saved.hidden.device)
-            if saved.output is not None and saved.version == self.version:
-                leaf, out = saved.leaf, saved.output
+            if saved.output is not None and (saved.version == self.version or saved.weights is not None):
+                leaf, out = saved.leaf, saved.output  # (a kept copy of the weights never changes in place)
             else:
-                leaf, out = self._run(saved.hidden, saved.position_ids)
-            params = self.part.params
+                leaf, out = self._run(saved.hidden, saved.position_ids, weights=saved.weights)
+            params = self.part.params if saved.weights is None else saved.weights
             grads = torch.autograd.grad(out, [leaf, *params], grad_output, allow_unused=True)
             if not all_finite(grads):
                 raise GradientError(f"micro-batch {micro_id!r} produced non-finite gradients; it was dropped and "
@@ -153,6 +178,9 @@ class StageTrainer:
             raise GradientError(f"gradient for {micro_id!r} contains NaN or inf; the micro-batch was dropped")
 
     def _optimizer_step(self) -> None:
+        before = self.step
+        if self.staleness:  # micro-batches of the next step may still need the weights before this one
+            self.versions.before_step(before)
         try:
             stepped = self.part.step()
         except NonFiniteStep as e:
@@ -161,6 +189,7 @@ class StageTrainer:
                                 "underflows: use bfloat16 or float32)") from None
         finally:
             self.micro_count = 0
+            self.versions.after_step(before)
         if stepped:
             self.version += 1
             logger.debug("blocks [%d, %d): step %d, grad-norm %.4g", self.blocks.start, self.blocks.end,
@@ -209,4 +238,10 @@ class StageTrainer:
             self.part.step_count = int(info["step"])
             self.micro_count = 0
             self.version += 1
+            self.versions.clear()
             return info
+
+    def weights_replaced(self) -> None:
+        """The weights were replaced without a step (a replica's parameters): graphs and the current copy are stale."""
+        self.version += 1
+        self.versions.replaced(self.step)

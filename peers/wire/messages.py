@@ -181,6 +181,7 @@ class TrainOpen(Message):
     # how this stage sends the run's tensors (``swarm.compression``): "none" (bit-exact), a codec ("fp16", "int8",
     # "topk:0.1/int8") or "adaptive" (per link and direction, from the measured link and the compute time)
     compression: str = "none"
+    staleness: int = 0  # 1: asynchronous steps: forwards may name the weights before the last step (``at_step``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +218,7 @@ class TrainForward(Message):
     # tensor (the input comes as a TrainPush); with a peer downstream the output is pushed there, not returned
     upstream: str = ""
     downstream: str = ""
+    at_step: int = -1  # staleness 1: run on the weights of this stage's step count (now or before its last step)
 
 
 @dataclasses.dataclass(frozen=True)

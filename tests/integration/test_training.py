@@ -156,8 +156,8 @@ def test_a_vanished_trainer_leaves_no_half_applied_update(train_swarm, llama_dir
             data = _batches(2)
 
             async def half_a_step():  # 2 of the 4 micro-batches of a step, then the trainer leaves
-                await asyncio.gather(*(trainer._micro_batch(data.next_micro(), i, [0, 0], [0.0, 0.0])
-                                       for i in range(2)))
+                run = trainer._step_run([], ahead=False)
+                await asyncio.gather(*(trainer._micro_batch(run, data.next_micro(), i) for i in range(2)))
 
             client.loop.run(half_a_step())
         after = observer.forward(ids)
