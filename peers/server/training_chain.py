@@ -46,7 +46,7 @@ from peers.server.inbox import Inbox
 from peers.wire.errors import ChainError, RequestError
 from peers.wire.messages import TrainBackward, TrainForward, TrainOpen, TrainPush
 from privacy.peer_ids import short_id
-from swarm.compression import Encoded
+from swarm.compression import Codec, Encoded
 from swarm.compression.sender import BACKWARD, FORWARD, RunCompression
 from swarm.links import LinkTable
 
@@ -180,6 +180,13 @@ class TrainChain:
                                                                             targets)):
             if peer and peer not in allowed:
                 raise RequestError(f"{role} peer {short_id(peer)} was not named by this run's train_open")
+        if request.reply_codec:
+            if request.downstream:
+                raise RequestError("reply_codec is for an output returned to the trainer; this one goes to a peer")
+            try:
+                Codec.parse(request.reply_codec)
+            except ValueError as e:
+                raise RequestError(f"reply_codec: {e}") from None
         if backward:
             if request.recompute:
                 raise RequestError("a chained backward recomputes from the input this stage kept: send it with "
@@ -220,8 +227,9 @@ class TrainChain:
         self._check_generation(generation)
         receiver = request.downstream or trainer
         pattern = self._patterns.pop(request.micro_id, None) if backward else None
+        chosen = Codec.parse(request.reply_codec) if request.reply_codec and not request.downstream else None
         payload, arrived = self.compression.send(receiver, BACKWARD if backward else FORWARD, output,
-                                                 compute_s=compute_ms / 1e3, indices=pattern)
+                                                 compute_s=compute_ms / 1e3, indices=pattern, codec=chosen)
         self._keep(request, tensor, arrived, backward)
         if not request.downstream:
             return payload, compute_ms

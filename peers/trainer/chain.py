@@ -24,6 +24,7 @@ the stages decoded.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -158,10 +159,12 @@ async def micro_batch(trainer: Any, run: StepRun, input_ids: torch.Tensor, index
     sending = trainer.compression  # hidden, grad: what the stages decode (the record's)
     payload, hidden = sending.send(route[0], FORWARD, embedded.detach())
     at_steps = [run.at_step(peer) for peer in route]
-    replies = await run_phase(trainer, route, list(forward_messages(trainer.run_id, micro_id, route, at_steps)),
-                              [payload, *([None] * last)])
+    forwards = list(forward_messages(trainer.run_id, micro_id, route, at_steps))
+    forwards[last] = dataclasses.replace(forwards[last], reply_codec=sending.reply_codec(route[last], FORWARD, hidden))
+    replies = await run_phase(trainer, route, forwards, [payload, *([None] * last)])
     output, pattern = replies[last][1], replies[last][2]
     sending.note_compute(route[0], FORWARD, replies[0][0].compute_ms / 1e3)
+    sending.note_compute(route[last], "reply-" + FORWARD, replies[last][0].compute_ms / 1e3)
     if output is None:
         raise RequestError(f"the last stage's forward reply carries no output (micro-batch {micro_id})")
     for k, (reply, *_) in enumerate(replies):
@@ -183,9 +186,11 @@ async def micro_batch(trainer: Any, run: StepRun, input_ids: torch.Tensor, index
                 record.ran(k, index)
 
     payload, grad = sending.send(route[last], BACKWARD, grad, indices=pattern)
-    replies = await run_phase(trainer, route, list(backward_messages(trainer.run_id, micro_id, route, scales)),
-                              [*([None] * last), payload], submitted)
+    backwards = list(backward_messages(trainer.run_id, micro_id, route, scales))
+    backwards[0] = dataclasses.replace(backwards[0], reply_codec=sending.reply_codec(route[0], BACKWARD, hidden))
+    replies = await run_phase(trainer, route, backwards, [*([None] * last), payload], submitted)
     sending.note_compute(route[last], BACKWARD, replies[last][0].compute_ms / 1e3)
+    sending.note_compute(route[0], "reply-" + BACKWARD, replies[0][0].compute_ms / 1e3)
     grad_input = replies[0][1]
     if grad_input is None:
         raise RequestError(f"the first stage's backward reply carries no grad (micro-batch {micro_id})")

@@ -219,6 +219,9 @@ class TrainForward(Message):
     upstream: str = ""
     downstream: str = ""
     at_step: int = -1  # staleness 1: run on the weights of this stage's step count (now or before its last step)
+    # compression: the codec of the output this request returns to the trainer ("" = the run's setting decides); the
+    # trainer sets it under "adaptive", from its own measured link to this peer (the stage has no measure of it)
+    reply_codec: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +239,7 @@ class TrainBackward(Message):
     # chain: the grads of a replica's share are scaled by accumulation / share (the trainer does it in a star): the
     # stage multiplies the grad it gets by ``scale`` and divides the grad of its input by it
     scale: float = 1.0
+    reply_codec: str = ""  # as ``TrainForward.reply_codec``: for the grad of the input returned to the trainer
 
 
 @dataclasses.dataclass(frozen=True)

@@ -64,18 +64,29 @@ class RunCompression:
         return self.chooser.decide(key, tensor.numel(), tensor.dtype, bandwidth_bps=link.bandwidth,
                                    compute_s=compute_s, rtt_s=link.rtt)
 
+    def reply_codec(self, peer: str, direction: str, like: torch.Tensor) -> str:
+        """Under "adaptive", the codec (as text) that ``peer`` should return a tensor like ``like`` to us in, in
+        ``direction``, from our measured link to it and the compute it last reported for it (``note_compute`` with
+        ``"reply-" + direction``); "" otherwise: the peer follows the run's setting. A stage cannot measure its link to
+        a trainer (it only answers on the trainer's stream), so the trainer chooses for it."""
+        if self.setting != ADAPTIVE:
+            return ""
+        return str(self.codec(peer, "reply-" + direction, like))
+
     def note_compute(self, peer: str, direction: str, seconds: float) -> None:
         """The compute a transfer to ``peer`` in ``direction`` overlaps (e.g. that peer's reported ``compute_ms``)."""
         if seconds > 0:
             self.compute[(peer, direction)] = seconds
 
     def send(self, peer: str, direction: str, tensor: torch.Tensor, *, compute_s: float | None = None,
-             indices: torch.Tensor | None = None) -> tuple[torch.Tensor | Encoded, torch.Tensor]:
+             indices: torch.Tensor | None = None, codec: Codec | None = None
+             ) -> tuple[torch.Tensor | Encoded, torch.Tensor]:
         """(what travels: the tensor itself or its ``Encoded`` form, what the receiver decodes). ``indices``: the
-        pattern the tensor must travel in (the grad of a top-k input)."""
+        pattern the tensor must travel in (the grad of a top-k input); ``codec``: the receiver's choice (a stage's
+        reply to a trainer that measured the link), else the setting decides."""
         if indices is not None:
             codec = Codec("topk", fraction=max(indices.numel(), 1) / max(tensor.numel(), 1), values=self.values)
-        else:
+        elif codec is None or self.setting == "none":
             codec = self.codec(peer, direction, tensor, compute_s)
         self.sent[str(codec)] = self.sent.get(str(codec), 0) + 1
         if codec.exact:

@@ -53,3 +53,26 @@ def test_a_forced_pattern_keeps_exactly_those_indices() -> None:
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="compression must be"):
         RunCompression("zip")
+
+
+def test_a_trainer_chooses_the_codec_of_what_a_stage_returns_to_it_only_under_adaptive() -> None:
+    links = LinkTable()
+    adaptive = RunCompression("adaptive", links)
+    assert adaptive.reply_codec("stage", FORWARD, HIDDEN) == "none"  # no compute reported yet: nothing to hide under
+    adaptive.note_compute("stage", "reply-" + FORWARD, 0.01)
+    assert adaptive.reply_codec("stage", FORWARD, HIDDEN).startswith("topk")  # unmeasured: the 10 Mbit/s default
+    for _ in range(8):  # ~8 Gbit/s measured: the reply goes as it is
+        links.observe("stage", 1e-4, 0.0, 0)
+        links.observe("stage", 1.1e-3, 0.0, 1 << 20)
+    assert adaptive.reply_codec("stage", FORWARD, HIDDEN) == "none"
+    assert RunCompression("int8").reply_codec("stage", FORWARD, HIDDEN) == ""  # fixed: the stage knows it
+    assert RunCompression("none").reply_codec("stage", FORWARD, HIDDEN) == ""
+
+
+def test_a_codec_chosen_by_the_receiver_is_used_unless_the_run_is_exact() -> None:
+    from swarm.compression import Codec
+
+    payload, _ = RunCompression("adaptive").send("t", FORWARD, HIDDEN, codec=Codec("fp16"))
+    assert isinstance(payload, Encoded) and decode(payload.serialized, max_bytes=1 << 24).tensor.dtype == HIDDEN.dtype
+    payload, _ = RunCompression("none").send("t", FORWARD, HIDDEN, codec=Codec("fp16"))
+    assert payload is HIDDEN

@@ -17,6 +17,8 @@ from peers.server.training_rpc import TrainingRPC
 from peers.training import OptimConfig
 from peers.wire.errors import ChainError, RequestError
 from peers.wire.messages import InferenceReply, StageInfo, TrainApply, TrainBackward, TrainForward, TrainOpen, TrainPush
+from swarm.compression import Encoded, decode
+from swarm.compression.codecs import CODED
 
 A, B, STRANGER = ("12D3KooW" + c * 44 for c in "ABC")
 
@@ -54,10 +56,10 @@ def _pair(model_dir: Path) -> dict[str, TrainingRPC]:
     return rpcs
 
 
-def _open(rpc: TrainingRPC, stream: object, **chain: list[str]):
+def _open(rpc: TrainingRPC, stream: object, compression: str = "none", **chain: list[str]):
     start = rpc.info.start
     request = TrainOpen(run_id="run", start=start, end=start + 1, optim=OptimConfig().to_dict(), accumulation=1,
-                        explicit_apply=True, **chain)
+                        explicit_apply=True, compression=compression, **chain)
     return rpc.open(request, stream)
 
 
@@ -117,9 +119,36 @@ def test_pushes_only_from_named_neighbours_and_routes_only_through_them(model_di
             rpcs[B].check_chained(TrainBackward(run_id="run", micro_id="m", downstream=A, scale=float("nan")), tb)
         with pytest.raises(RequestError, match="not open on this stream"):
             rpcs[B].check_chained(TrainForward(run_id="run", micro_id="m", upstream=A), object())
+        with pytest.raises(RequestError, match="reply_codec: "):
+            rpcs[B].check_chained(TrainForward(run_id="run", micro_id="m", upstream=A, reply_codec="zip"), tb)
+        with pytest.raises(RequestError, match="this one goes to a peer"):
+            rpcs[B].check_chained(TrainBackward(run_id="run", micro_id="m", downstream=A, reply_codec="int8"), tb)
         rpcs[B].receive_push(TrainPush(run_id="run", micro_id="m"), torch.zeros(1, 2, 32), A)  # accepted
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("setting, reply_codec, expected", [
+    ("adaptive", "int8", "int8"),  # the trainer measured its link: its choice for the reply
+    ("adaptive", "none", None),  # the trainer's link is fast enough: as it is
+    ("adaptive", "", "topk"),  # an older trainer says nothing: the stage's own choice, an unmeasured (slow) link
+    ("none", "int8", None),  # a bit-exact run never goes lossy
+])
+def test_a_reply_to_the_trainer_travels_in_the_codec_the_trainer_chose(model_dir, setting, reply_codec, expected):
+    rpcs, tb = _pair(model_dir), object()
+
+    async def scenario():
+        await _open(rpcs[B], tb, compression=setting)
+        return await rpcs[B].chain.run(TrainForward(run_id="run", micro_id="m", reply_codec=reply_codec),
+                                       torch.randn(2, 5, 32), tb)
+
+    payload, _ = asyncio.run(scenario())
+    if expected is None:
+        assert isinstance(payload, torch.Tensor)
+    else:
+        assert isinstance(payload, Encoded) and payload.serialized.compression == CODED
+        assert decode(payload.serialized, max_bytes=1 << 20).tensor.shape == (2, 5, 32)
+        assert [codec.split(":")[0] for codec in rpcs[B].chain.compression.sent] == [expected]
 
 
 def test_a_re_open_fails_pending_waits_at_once_and_a_failed_push_names_the_peer(model_dir):
