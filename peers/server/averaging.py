@@ -146,7 +146,9 @@ class ReplicaAverager:
         new = self._outer_step(mean)
         self.rounds, self.last_group = round_ + 1, len(members)
         self.compression.round_done()
-        logger.info("Run %r: averaging round %d over %d replica(s)", self.run_id, round_, len(members))
+        logger.info("Run %r: averaging round %d over %d replica(s)%s", self.run_id, round_, len(members),
+                    "" if prepared is None else f" (our delta in {prepared.codec})" if prepared.anchor else
+                    " (our parameters in full)")
         return new.to(flat.device, flat.dtype)
 
     def digest(self) -> str:
