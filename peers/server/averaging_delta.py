@@ -11,7 +11,8 @@ codec dropped (``delta - decoded``) stays with the sender and is added to its ne
 The anchor travels as a digest (``anchor_digest``, in ``ParamsPush.anchor``). A receiver whose anchor differs (the
 replicas averaged different groups in a round, or opened from different weights) or does not know its anchor for that
 round yet refuses the delta with ``ANCHOR_REFUSED`` in its message; the sender then sends its member in full (exact
-float32, ``anchor=""``) to that replica for that round, so every replica still averages the same value for it.
+float32, ``anchor=""``: for 16-bit parameters twice their size) to that replica for that round, so every replica
+still averages the same value for it. The delta itself travels in the parameters' dtype.
 
 Which codec: a fixed setting ("fp16", "int8", "topk:0.1/int8") is used as it is. "adaptive" picks one codec per round
 for all replicas (each must receive the same member), with ``swarm.compression.policy`` from the slowest link among
@@ -95,10 +96,12 @@ class DeltaCompression:
             member = self.feedback.corrected(_KEY, delta) + anchor if self.error_feedback else params
             self.feedback.reset(_KEY)
             return Prepared(member, member, "", codec)
+        # the delta travels in the parameters' dtype (decoded, no larger than the parameters were on the wire);
+        # the residual is kept in float32 and takes the rounding to that dtype too
         if self.error_feedback:
-            encoded = self.feedback.compress(_KEY, delta, codec)
+            encoded = self.feedback.compress(_KEY, delta, codec, dtype=flat.dtype)
         else:
-            encoded = encode(delta, codec)
+            encoded = encode(delta.to(flat.dtype), codec)
         decoded = decode(encoded.serialized, max_bytes=delta.numel() * 4).tensor.to(torch.float32)
         return Prepared(anchor + decoded, encoded, digest, codec)
 

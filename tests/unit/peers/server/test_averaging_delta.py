@@ -31,6 +31,7 @@ class _Wire:
         self.log["bytes"].append(serialized.ByteSize())
         self.log["anchors"].append(message.anchor)
         received = decode(serialized, max_bytes=NUMEL * 8).tensor
+        self.log["dtypes"].append(received.dtype)
         try:
             self.target.receive(self.sender, message.round, received, NUMEL, message.anchor)
         except ValueError as e:
@@ -41,7 +42,7 @@ class _Wire:
 
 def _wired(averagers: dict[str, ReplicaAverager]) -> dict[str, list]:
     """Connect the averagers to each other; the log of their pushes."""
-    log: dict[str, list] = {"bytes": [], "anchors": [], "refused": []}
+    log: dict[str, list] = {"bytes": [], "anchors": [], "refused": [], "dtypes": []}
 
     def stream_for(sender: str):
         async def get(peer: str):
@@ -142,6 +143,16 @@ def test_bytes_sent_per_round_shrink_by_the_codecs_ratio(codec):
         sent[setting] = sum(log["bytes"]) / 2
     ratio = payload_bytes(NUMEL, torch.float32, Codec.parse(codec)) / (NUMEL * 4)
     assert sent[codec] / sent["none"] == pytest.approx(ratio, abs=0.02)
+
+
+def test_bfloat16_parameters_send_their_delta_in_bfloat16_and_stay_bit_identical():
+    torch.manual_seed(4)
+    start = torch.randn(NUMEL).to(torch.bfloat16)
+    averagers, log = _group([A, B], anchor=start, compression="topk:0.5/fp16")
+    local = [start + (0.1 * torch.randn(NUMEL)).to(torch.bfloat16) for _ in averagers]
+    new = _round(averagers, local)
+    assert torch.equal(new[0], new[1]) and new[0].dtype == torch.bfloat16 and all(log["anchors"])
+    assert log["dtypes"] == [torch.bfloat16] * 2  # decoded, no larger than the parameters themselves
 
 
 def test_none_pushes_the_parameters_themselves():
