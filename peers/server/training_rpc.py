@@ -288,7 +288,7 @@ class TrainingRPC:
         """A replica's parameters for an averaging round of our run."""
         if self.averager is None or request.run_id != self.run_id:
             raise RequestError(f"this peer averages no run {request.run_id!r} (it is in {self.run_id!r})")
-        self.averager.receive(sender, request.round, flat, self._numel())
+        self.averager.receive(sender, request.round, flat, self._numel(), request.anchor)
 
     def current_params(self, request: ParamsFetch) -> torch.Tensor:
         """Our flat parameters of blocks ``[request.start, request.end)``, any part of our span: for a replica of our
@@ -442,13 +442,15 @@ class TrainingRPC:
         if not self.average_every:
             self.averager = None
             return
-        if fresh or self.averager is None or self.averager.replicas != sorted(replicas):
+        if fresh or self.averager is None or self.averager.replicas != sorted(replicas) or \
+                not self.averager.compression.matches(request.compression):
             # rounds are named by steps (``round_at``): a new averager's first round is the one after our step,
             # the same as the other replicas' (they count steps from the run's too)
             self.averager = ReplicaAverager(self.info.peer_id, self.run_id, replicas, self.stream_for,
                                             outer_lr=request.outer_lr, outer_momentum=request.outer_momentum,
                                             timeout=self.average_timeout, anchor=self.current_flat(),
-                                            first_round=round_at(self.trainer.step, self.average_every) + 1)
+                                            first_round=round_at(self.trainer.step, self.average_every) + 1,
+                                            compression=request.compression, links=self.chain.links)
         logger.info("Run %r: averaging with %d replica(s) every %d step(s)", self.run_id, len(replicas),
                     self.average_every)
 

@@ -198,6 +198,9 @@ class ParamsPush(Message):
 
     run_id: str
     round: int
+    # compressed rounds (``peers.server.averaging_delta``): the digest of the anchor the tensor is a delta from;
+    # "" = the tensor is the parameters themselves
+    anchor: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

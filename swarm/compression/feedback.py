@@ -25,11 +25,13 @@ class ErrorFeedback:
     def __init__(self) -> None:
         self.residuals: dict[Hashable, torch.Tensor] = {}
 
-    def compress(self, key: Hashable, tensor: torch.Tensor, codec: Codec) -> Encoded:
-        """``tensor`` plus the key's residual, encoded in ``codec``; what the codec lost becomes the new residual.
-        A tensor of another shape than the residual's starts the key afresh."""
+    def compress(self, key: Hashable, tensor: torch.Tensor, codec: Codec, *, dtype: torch.dtype | None = None
+                 ) -> Encoded:
+        """``tensor`` plus the key's residual, encoded in ``codec`` (as ``dtype``, default the tensor's: what the
+        rounding to it loses goes into the residual too); what the codec lost becomes the new residual. A tensor of
+        another shape than the residual's starts the key afresh."""
         corrected = self.corrected(key, tensor)
-        encoded = encode(corrected.to(tensor.dtype), codec)
+        encoded = encode(corrected.to(dtype or tensor.dtype), codec)
         arrived = decode(encoded.serialized, max_bytes=corrected.numel() * 8).tensor
         self._keep(key, corrected - arrived.to(torch.float32))
         return encoded
