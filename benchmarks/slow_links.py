@@ -27,12 +27,13 @@ Configurations (``--configs``, ``COMPRESSION/STALENESS``): ``TrainConfig.compres
 checkout does not have yet is skipped and the JSON says why. Every configuration is its own run (its own run id)
 whose stages start from the same step-0 checkpoint of the same initial weights (``train.write_initial_state``), with
 a fresh trainer (the same initial embedding and head) on the same micro-batches (same seed, same number of steps:
-equal training tokens). Per configuration: tokens/s over the steps after the first (which opens the run), bytes on
-the slow link (both directions, from the shaper's counters), and the held-out loss: the stages save their final
-weights (``checkpoint_every`` = steps), the trainer its embedding and head, and this script loads them into one
-``peers.model.LocalModel`` and computes the mean next-token loss on held-out windows of the corpus (its last 5%,
-never trained on) exactly, without compression. The summary compares each configuration with "none/0" (tokens/s
-ratio, relative held-out loss) and staleness 1 with 0 at the same compression, against the issue's targets.
+equal training tokens). Per configuration: tokens/s over the steps after the first (which opens the run), by wall
+clock from its end (steps overlap with staleness 1), bytes on the slow link (both directions, from the shaper's
+counters), and the held-out loss: the stages save their final weights (``checkpoint_every`` = steps), the trainer
+its embedding and head, and this script loads them into one ``peers.model.LocalModel`` and computes the mean
+next-token loss on held-out windows of the corpus (its last 5%, never trained on) exactly, without compression. The
+summary compares each configuration with "none/0" (tokens/s ratio, relative held-out loss) and staleness 1 with 0 at
+the same compression, against the issue's targets.
 
 Every namespace and process is removed at the end, also on failure or Ctrl-C (the ``Testbed`` context manager);
 ``nothing_left`` in the JSON checks it. ``--quick``: a tiny model, 2 steps, the pair none/0 and adaptive/0 (the

@@ -17,6 +17,7 @@ import inspect
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ import torch
 from peers.client.swarm_client import SwarmClient
 from peers.core.config import ClientConfig, SwarmConfig
 from peers.trainer.state import save_trainer_state, trainer_checkpoint_path
-from peers.trainer.swarm_trainer import SwarmTrainer
+from peers.trainer.swarm_trainer import StepResult, SwarmTrainer
 from peers.training import OptimConfig, TokenBatches, TrainConfig, encode_bytes, read_corpus
 from peers.wire.errors import RequestError
 
@@ -60,14 +61,20 @@ def open_run(trainer: SwarmTrainer, timeout: float = 60.0) -> None:
             time.sleep(0.5)
 
 
-def finish(trainer: SwarmTrainer) -> None:
-    """Let every stage apply what the run trained (a stale run may hold its last step back until told)."""
-    for name in ("flush", "finish", "drain"):  # whichever a staleness-aware trainer offers
-        method = getattr(trainer, name, None)
-        if callable(method):
-            method()
-            break
-    trainer.settle()
+def run_steps(trainer: SwarmTrainer, batches: TokenBatches, steps: int, accumulation: int
+              ) -> tuple[list[StepResult], list[float]]:
+    """``steps`` steps as ``peers.trainer.loop.train_loop`` runs them: with staleness 1 each step also hands over
+    the next step's micro-batches (``upcoming``), which start while it drains. Also returns the wall-clock time at
+    the end of each step (steps overlap with staleness 1, so their own ``seconds`` do not add up to the run's)."""
+    results, ends, upcoming = [], [], None
+    train_step: Callable[..., StepResult] = trainer.train_step  # takes ``upcoming`` where staleness exists
+    for step in range(1, steps + 1):
+        micro = upcoming or [batches.next_micro() for _ in range(accumulation)]
+        upcoming = [batches.next_micro() for _ in range(accumulation)] \
+            if getattr(trainer, "staleness", 0) and step < steps else None
+        results.append(train_step(micro, upcoming) if upcoming is not None else train_step(micro))
+        ends.append(time.perf_counter())
+    return results, ends
 
 
 def train(spec: dict) -> dict:
@@ -85,15 +92,15 @@ def train(spec: dict) -> dict:
                                topology="chain", **options)
         open_run(trainer)
         batches = TokenBatches(tokens, tr["seq_len"], tr["micro_batch"], seed=tr["seed"])
-        steps = [trainer.train_step([batches.next_micro() for _ in range(tr["accumulation"])])
-                 for _ in range(tr["steps"])]
-        finish(trainer)
+        steps, ends = run_steps(trainer, batches, tr["steps"], tr["accumulation"])
+        trainer.settle()  # every stage applied every step (the last step of a stale run starts nothing ahead)
         save_trainer_state(trainer, trainer_checkpoint_path(spec["checkpoint_dir"], spec["run_id"]))
-        timed = steps[1:]  # the first step opens the run (connections, warm-up)
+        timed = steps[1:]  # the first step opens the run (connections, warm-up): wall clock from its end
         return {
             "options": options,
             "tokens": sum(s.tokens for s in steps),
-            "tokens_per_s": round(sum(s.tokens for s in timed) / sum(s.seconds for s in timed), 1),
+            "tokens_per_s": round(sum(s.tokens for s in timed) / (ends[-1] - ends[0]), 1),
+            "timed_seconds": round(ends[-1] - ends[0], 2),
             "step_seconds": [round(s.seconds, 3) for s in steps],
             "losses": [s.loss for s in steps],
             "stage_busy_s": [[round(b, 3) for b in s.stage_busy] for s in steps],
