@@ -127,6 +127,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--topology", choices=("chain", "star"), default="chain",
                      help="chain: each peer hands its output straight to the next one (default); star: every hidden "
                           "state goes through this machine")
+    gen.add_argument("--compression", default="none",
+                     help="how hidden states travel: none (bit-exact, default), fp16, bf16, int8 or topk:F[/fp16|bf16|"
+                          "int8]; lossy codecs save bandwidth and may change tokens (benchmarks/lossy_inference.py)")
     gen.set_defaults(func=_cmd_generate)
 
     add_membership_commands(sub)
@@ -260,7 +263,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     sampling = SamplingConfig(do_sample=sample, temperature=args.temperature or 1.0, top_k=args.top_k,
                               top_p=args.top_p, seed=args.seed)
     config = ClientConfig(swarm=swarm, request_timeout=args.request_timeout, local_blocks=args.local_blocks,
-                          topology=args.topology)
+                          topology=args.topology, compression=args.compression)
     with SwarmClient(args.model_dir, config=config) as client:
         try:
             for piece in stream_text(client, args.prompt, args.max_new_tokens, sampling=sampling):

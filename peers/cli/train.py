@@ -12,6 +12,7 @@ steps and at the end; rerunning with the same run_id (default: the config file's
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -60,6 +61,10 @@ def add_train_command(sub) -> None:
                        help="chain: each stage hands its output straight to the next one (this process's link carries "
                             "the first stage's input and the last one's output only); star: every hidden state and "
                             "gradient goes through this process")
+    train.add_argument("--compression", default=None,
+                       help="how hidden states and grads travel between stages (overrides the config's): none "
+                            "(bit-exact), fp16, bf16, int8, topk:FRACTION[/int8] or adaptive (per link: compressed "
+                            "only as much as the link needs to keep up with the stages' compute)")
     train.add_argument("--plan", action="store_true",
                        help="be the broker of this run: plan it from the swarm's peers and links, publish the plan "
                             "(signed), wait for the peers that allow this trainer to move to it, and train on its "
@@ -131,6 +136,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from peers.core.config import ClientConfig
 
     config = TrainConfig.from_toml(args.config)
+    if args.compression is not None:
+        config = dataclasses.replace(config, compression=args.compression)  # checked again
     steps = config.steps if args.steps is None else args.steps
     if steps < 1 or args.eval_every < 0 or args.eval_windows < 1:
         raise ValueError("--steps and --eval_windows must be >= 1 and --eval_every >= 0")
@@ -157,7 +164,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                                average_every=config.average_every, outer_lr=config.outer_lr,
                                outer_momentum=config.outer_momentum, rechoose_every=config.rechoose_every,
                                pipeline_wait=args.wait_peers,  # also for a stage's peer that restarts mid-run
-                               topology=args.topology, plan=args.plan)
+                               topology=args.topology, plan=args.plan, compression=config.compression)
         path = trainer_checkpoint_path(config.checkpoint_dir, run_id) if config.checkpoint_dir else None
         resumed = path is not None and _resume(trainer, path, config, batches, console)
         extra = {**{k: getattr(config, k) for k in GEOMETRY}, "model": client.model_name,

@@ -55,7 +55,8 @@ class SpanSession:
         self._stream = await self.client.peer_stream(self.peer_id)
         request = InferenceOpen(session_id=self.session_id, start=self.start, end=self.end,
                                 max_length=max_length, batch_size=batch_size, resume=resume, upstream=self.upstream,
-                                downstream=self.downstream, downstream_session=self.downstream_session)
+                                downstream=self.downstream, downstream_session=self.downstream_session,
+                                compression=self._compression)
         reply = await self._stream.open(request, self.client.config.request_timeout)
         if reply.error:
             raise classify(RequestError(f"peer {short_id(self.peer_id)} refused the session: {reply.error}"))
@@ -73,7 +74,8 @@ class SpanSession:
             self.length, self.history = position, first_tokens(self.history, position)
         t0 = time.perf_counter()
         try:
-            output = await self._stream.step(self.session_id, position, hidden, self._step_timeout(hidden.shape[1]))
+            output = await self._stream.step(self.session_id, position, hidden, self._step_timeout(hidden.shape[1]),
+                                             codec=self.client.config.codec)
         except RequestError as e:
             raise classify(e) from None
         self.history.append(hidden)
@@ -93,7 +95,8 @@ class SpanSession:
         # (a request's timeout ends the stream, and the session with it), and the peer bounds the wait itself
         timeout = self.client.config.request_timeout * (1 if hidden is not None else CHAINED_WAIT_FACTOR)
         return self._stream.queue_step(self.session_id, position, hidden, timeout,
-                                       rows=self.batch_rows if returns else 0, hold=hold, tokens=tokens)
+                                       rows=self.batch_rows if returns else 0, hold=hold, tokens=tokens,
+                                       codec=self.client.config.codec)
 
     def relink(self, *, upstream: str | None = None, downstream: SpanSession | None = None) -> None:
         """Chain: tell the peer this session's new upstream (or downstream), no reply awaited."""
@@ -116,6 +119,12 @@ class SpanSession:
         return self._stream.submit(InferenceReplay(session_id=self.session_id, upto=upto, downstream=downstream.peer_id,
                                                    downstream_session=downstream.session_id),
                                    None, self.client.config.request_timeout)
+
+    @property
+    def _compression(self) -> str:
+        """The client's codec for the peer's outputs ("": none, which every peer version understands)."""
+        codec = self.client.config.codec
+        return "" if codec.exact else str(codec)
 
     @property
     def alive(self) -> bool:

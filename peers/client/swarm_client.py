@@ -251,7 +251,8 @@ class SwarmClient:
         """
         stream = await self.peer_stream(peer_id)
         try:
-            return await stream.forward(start, end, hidden, timeout=self.config.request_timeout)
+            return await stream.forward(start, end, hidden, timeout=self.config.request_timeout,
+                                        codec=self.config.codec)
         except RequestError as e:
             raise classify(e) from None
 

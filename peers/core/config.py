@@ -9,6 +9,7 @@ import torch
 
 from peers.core.ids import DTYPES
 from peers.core.trainers import TrainerPolicy
+from swarm.compression import Codec
 from swarm.nat import NatOptions
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "fusionswarm"
@@ -170,10 +171,14 @@ class ClientConfig:
     # "chain": each peer pushes its output straight to the next one (the client's link carries the first input and
     # the last output only); "star": every hidden state goes through the client (peers never talk to each other)
     topology: str = "chain"
+    # how hidden states travel in inference (``swarm.compression``): "none" (bit-exact, default) or a lossy codec,
+    # "fp16", "bf16", "int8", "topk:0.5/fp16": the client's inputs to peers, their outputs back and their pushes
+    compression: str = "none"
 
     def __post_init__(self) -> None:
         if self.topology not in TOPOLOGIES:
             raise ValueError(f"topology must be one of {list(TOPOLOGIES)}, got {self.topology!r}")
+        self.codec  # noqa: B018 - checks ``compression`` (ValueError saying what it takes)
         if self.torch_dtype not in DTYPES:
             raise ValueError(f"torch_dtype must be one of {list(DTYPES)}")
         if self.request_timeout <= 0 or self.max_retries < 0:
@@ -187,3 +192,8 @@ class ClientConfig:
             raise ValueError("a peer cannot be both allowed and blocked")
         if self.step_timeout_factor <= 1 or self.min_step_timeout <= 0:
             raise ValueError("step_timeout_factor must be > 1 and min_step_timeout positive")
+
+    @property
+    def codec(self) -> Codec:
+        """``compression`` as a ``Codec``."""
+        return Codec.parse(self.compression)

@@ -18,9 +18,10 @@ from peers.server.kv_sessions import Session
 from peers.wire.errors import RequestError
 from peers.wire.framing import IncomingFrames
 from peers.wire.messages import InferenceReply, StageInfo
-from peers.wire.tensors import read_tensor_messages, sealer, tensor_messages, unsealer
+from peers.wire.tensors import read_coded_messages, read_tensor_messages, sealer, tensor_messages, unsealer
 from privacy.certificates import Certificate
 from privacy.channel import SecureChannel
+from swarm.compression import NONE, Codec, Encoded
 
 Responses = list[runtime_pb2.ExpertResponse]
 
@@ -94,9 +95,19 @@ def reply(*, error: str = "", length: int = 0) -> runtime_pb2.ExpertResponse:
     return runtime_pb2.ExpertResponse(metadata=InferenceReply(error=error, length=length).to_bytes())
 
 
-def tensor_reply(tensor: torch.Tensor, metadata: InferenceReply, stream: StreamState) -> Responses:
-    """A reply carrying ``tensor``, sealed on an encrypted stream, in chunk messages."""
-    return list(tensor_messages(tensor, metadata.to_bytes(), runtime_pb2.ExpertResponse, seal=stream.seal))
+def tensor_reply(tensor: torch.Tensor | Encoded, metadata: InferenceReply, stream: StreamState, codec: Codec = NONE,
+                 indices: torch.Tensor | None = None) -> Responses:
+    """A reply carrying ``tensor`` in ``codec`` (``indices``: top-k's forced pattern), sealed on an encrypted
+    stream, in chunk messages."""
+    return list(tensor_messages(tensor, metadata.to_bytes(), runtime_pb2.ExpertResponse, seal=stream.seal,
+                                codec=codec, indices=indices))
+
+
+def codec_of(texts: list[str]) -> Codec:
+    """The codec the clients of these sessions (or this forward) asked for (``compression`` texts, checked at open);
+    ``none`` unless they all agree."""
+    named = {text or "none" for text in texts}
+    return Codec.parse(named.pop()) if len(named) == 1 else NONE
 
 
 class StreamCalls:
@@ -107,15 +118,22 @@ class StreamCalls:
 
     async def read_tensor(self, call: Call) -> torch.Tensor:
         """The tensor a request carries; refused (and skipped) on a plaintext stream when encryption is required."""
+        tensor, _ = await self.read_coded(call)
+        return tensor
+
+    async def read_coded(self, call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The tensor a request carries, in any codec, and (top-k) the sorted flat indices it kept, else None.
+        Within ``max_request_bytes`` on the wire and decoded; refused (and skipped) on a plaintext stream when
+        encryption is required."""
         if call.stream.channel is None and self.require_encryption:
             await self.skip_tensor(call)
             raise RequestError("this peer only takes encrypted streams: send a hello (handshake) first")
         if not call.message.tensors:
             raise RequestError("this request must carry a tensor")
         async with deadline(self.request_timeout):
-            _, tensor = await read_tensor_messages(call.requests, self.info.max_request_bytes, first=call.message,
-                                                   unseal=call.stream.unseal)
-        return tensor
+            _, tensor, indices = await read_coded_messages(call.requests, self.info.max_request_bytes,
+                                                           first=call.message, unseal=call.stream.unseal)
+        return tensor, indices
 
     async def skip_tensor(self, call: Call) -> None:
         """Consume the rest of a refused message's tensor, so that the stream stays in step."""

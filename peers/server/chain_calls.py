@@ -24,7 +24,17 @@ from hivemind.proto import runtime_pb2
 
 from peers.core.aio import deadline
 from peers.server.backend import StageBackend
-from peers.server.calls import Call, Deferred, Responses, StreamCalls, defer, elapsed_ms, reply, tensor_reply
+from peers.server.calls import (
+    Call,
+    Deferred,
+    Responses,
+    StreamCalls,
+    codec_of,
+    defer,
+    elapsed_ms,
+    reply,
+    tensor_reply,
+)
 from peers.server.inbox import Inbox
 from peers.server.kv_sessions import Session, SessionRegistry
 from peers.wire.errors import MovedError, RequestError
@@ -129,14 +139,16 @@ class ChainCalls(StreamCalls):
                                  f"{short_id(session.downstream)}: {result}")
                 failed_peer = failed_peer or session.downstream
                 logger.info("Chain: %s", errors[index])
-        back = [output for (index, session, _, _), output in zip(runs, outputs, strict=True)
-                if not session.downstream and not request.hold and not errors[index]]
+        returned = [(session, output) for (index, session, _, _), output in zip(runs, outputs, strict=True)
+                    if not session.downstream and not request.hold and not errors[index]]
+        back = [output for _, output in returned]
         # no compute_ms: the client's wall time on a chained step includes other peers' work and pushes, so it is no
         # sample of its link to us (pushes' acks measure the links between peers)
         metadata = InferenceReply(errors=errors, failed_peer=failed_peer)
         if not back:
             return [runtime_pb2.ExpertResponse(metadata=metadata.to_bytes())]
-        return tensor_reply(torch.cat(back) if len(back) > 1 else back[0], metadata, call.stream)
+        return tensor_reply(torch.cat(back) if len(back) > 1 else back[0], metadata, call.stream,
+                            codec=codec_of([s.compression for s, _ in returned]))
 
     async def _input(self, session: Session, position: int, given: torch.Tensor | None) -> torch.Tensor:
         if given is not None:
@@ -152,7 +164,8 @@ class ChainCalls(StreamCalls):
             stream = await asyncio.wait_for(self.stream_for(session.downstream), CONNECT_TIMEOUT)
         except asyncio.TimeoutError:
             raise ConnectionError(f"could not reach it within {CONNECT_TIMEOUT:.0f} s") from None
-        await stream.push(session.downstream_session, position, output, self.request_timeout)
+        await stream.push(session.downstream_session, position, output, self.request_timeout,
+                          codec=codec_of([session.compression]))
 
     # ---- pushes from the previous peer ---------------------------------------------------------
     async def push(self, request: InferencePush, call: Call) -> Responses:

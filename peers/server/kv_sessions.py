@@ -51,6 +51,7 @@ class Session:
     kept: list[torch.Tensor] = field(default_factory=list, repr=False)  # outputs sent downstream, for a replay
     order: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)  # chain steps of this session, in turn
     moved: str = ""  # the peer moved to another span: its later steps get this refusal (``moved: ...``)
+    compression: str = ""  # the codec of its outputs, to the client and downstream (``InferenceOpen.compression``)
 
     @property
     def reserved_tokens(self) -> int:
@@ -263,7 +264,7 @@ class SessionRegistry:
             request = waiter.request
             session = Session(request.session_id, waiter.owner, request.start, request.end, request.max_length,
                               request.batch_size, upstream=request.upstream, downstream=request.downstream,
-                              downstream_session=request.downstream_session)
+                              downstream_session=request.downstream_session, compression=request.compression)
             self.sessions[session.session_id] = session
             self._refused.pop(waiter.owner, None)
             waiter.granted.set_result(session)

@@ -17,12 +17,13 @@ from hivemind.proto import runtime_pb2
 
 from peers.core.aio import deadline
 from peers.server.backend import StageBackend
-from peers.server.calls import Call, Deferred, Responses, StreamCalls, elapsed_ms, reply, tensor_reply
+from peers.server.calls import Call, Deferred, Responses, StreamCalls, codec_of, elapsed_ms, reply, tensor_reply
 from peers.server.chain_calls import ChainCalls, check_step
 from peers.server.kv_sessions import Session, SessionRegistry
 from peers.wire.errors import MovedError, RequestError
 from peers.wire.messages import InferenceClose, InferenceOpen, InferenceReply, InferenceStep, StageInfo
 from privacy.peer_ids import short_id
+from swarm.compression import Codec
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class SessionCalls(StreamCalls):
                 if self.check_blocks is not None:
                     self.check_blocks(request.start, request.end)
                 self.chain.check_open(request.upstream, request.downstream)
+                Codec.parse(request.compression or "none")  # ValueError: refused, with what it takes
             live = any(self.sessions.sessions.get(i) is s for i, s in owned.items())
             session = await self.sessions.open(request, call.caller, (self.info.start, self.info.end),
                                                wait=0.0 if live else None)
@@ -97,7 +99,8 @@ class SessionCalls(StreamCalls):
         if not outputs:
             return [runtime_pb2.ExpertResponse(metadata=InferenceReply(errors=errors).to_bytes())]
         output = torch.cat(outputs)
-        return tensor_reply(output, InferenceReply(errors=errors, compute_ms=elapsed_ms(started)), call.stream)
+        return tensor_reply(output, InferenceReply(errors=errors, compute_ms=elapsed_ms(started)), call.stream,
+                            codec=codec_of([s.compression for s, _, _ in parts]))
 
     def _sessions(self, request: InferenceStep, owned: dict[str, Session]) -> list[Session]:
         ids, positions = request.session_ids, request.positions

@@ -441,7 +441,7 @@ class StageServer:
             logger.info("Training allowed for %s", policy.describe())
         training = TrainingRPC(blocks, info, trainers=policy, checkpoint_dir=self.config.checkpoint_dir,
                                stream_for=self.links.get,  # type: ignore[union-attr]
-                               chain_timeout=self.config.request_timeout)
+                               chain_timeout=self.config.request_timeout, links=self.link_table)
         training.moved = moved
         if training.resume_latest() is None and carried_step:  # our own checkpoint first, else what we carried
             training.carried_step = training.fetched_step = carried_step

@@ -68,6 +68,7 @@ from privacy.admission import Admission, caller_key, proof_context
 from privacy.channel import accept_handshake
 from privacy.identity import Identity
 from privacy.peer_ids import short_id
+from swarm.compression import Codec
 
 logger = logging.getLogger(__name__)
 
@@ -298,6 +299,7 @@ class StreamHandler(StreamCalls):
             started = time.perf_counter()  # from here on, the time is ours, not the network's
             self.check_blocks(request.start, request.end)
             self.check_hidden(hidden)
+            codec = Codec.parse(request.compression or "none")
             backend = self.backend
             assert backend is not None  # a backup has no forward handler
             async with deadline(self.request_timeout):
@@ -306,4 +308,4 @@ class StreamHandler(StreamCalls):
             error = str(e) or f"forward exceeded the deadline of {self.request_timeout:.0f} s"
             logger.info("forward(blocks=%s:%s) refused: %s", request.start, request.end, error)
             return [reply(error=error)]
-        return tensor_reply(output, InferenceReply(compute_ms=elapsed_ms(started)), call.stream)
+        return tensor_reply(output, InferenceReply(compute_ms=elapsed_ms(started)), call.stream, codec=codec)

@@ -96,10 +96,10 @@ class TrainingCalls(StreamCalls):
     async def push(self, request: TrainPush, call: Call) -> Responses:
         """An adjacent stage's output (or grad) for a micro-batch of our run: into the inbox, acked at once."""
         try:
-            tensor = await self.read_tensor(call)
+            tensor, indices = await self.read_coded(call)
             started = time.perf_counter()
             self.check_hidden(tensor)
-            self.training.receive_push(request, tensor, call.caller)
+            self.training.receive_push(request, tensor, call.caller, indices)
         except (RequestError, ValueError) as e:
             logger.info("train_push(run=%r, %s) from %s refused: %s", request.run_id, request.micro_id[:64],
                         short_id(call.caller), e)
@@ -124,9 +124,9 @@ class TrainingCalls(StreamCalls):
                 if call.message.tensors:
                     await self.skip_tensor(call)
                     raise RequestError("a chained request whose input comes from a peer carries no tensor")
-                tensor = None
+                tensor = indices = None
             else:
-                tensor = await self.read_tensor(call)
+                tensor, indices = await self.read_coded(call)
                 self.check_hidden(tensor)
         except (RequestError, ValueError) as e:
             if backward:
@@ -134,12 +134,12 @@ class TrainingCalls(StreamCalls):
             logger.info("chained %s(run=%r, %s) refused: %s", type(request).__name__, request.run_id,
                         request.micro_id[:64], e)
             return [reply(error=str(e))]
-        return defer(self._chained(request, tensor, call), f"chained {type(request).__name__}")
+        return defer(self._chained(request, tensor, indices, call), f"chained {type(request).__name__}")
 
-    async def _chained(self, request: TrainForward | TrainBackward, tensor: torch.Tensor | None, call: Call
-                       ) -> Responses:
+    async def _chained(self, request: TrainForward | TrainBackward, tensor: torch.Tensor | None,
+                       indices: torch.Tensor | None, call: Call) -> Responses:
         try:
-            output, compute_ms = await self.training.chain.run(request, tensor, call.stream)
+            output, compute_ms = await self.training.chain.run(request, tensor, call.stream, indices, call.caller)
         except ChainError as e:  # our result could not reach the next peer: that peer failed, not us
             logger.info("%s(run=%r, %s): %s", type(request).__name__, request.run_id, request.micro_id[:64], e)
             failed = InferenceReply(error=str(e), failed_peer=e.failed_peer, step=self.training.step)

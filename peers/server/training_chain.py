@@ -24,6 +24,12 @@ trainer sees only the first stage's input and the last stage's output and grad. 
 it applied, what it exchanged with other peers (the inputs it was pushed, the outputs and input grads it pushed),
 and hands them to the trainer on request (``TrainFetch``): a stage that missed a commit is replayed from what its
 neighbours kept. Memory: up to three hidden states per micro-batch of the stage's share of one step.
+
+Compression (issue 14, ``swarm.compression.sender``): the run's setting (``TrainOpen.compression``) says how this
+stage sends its forward outputs, its input grads and its replies to the trainer; "adaptive" chooses per link and
+direction from our measured link to the receiver and our compute time on the micro-batch. An input that came top-k'd
+(from the trainer or pushed) has its indices kept with the micro-batch, and its grad goes back in the same pattern.
+What a stage keeps for replays is what its neighbours decoded, so a replay computes on what the step computed on.
 """
 
 from __future__ import annotations
@@ -39,11 +45,15 @@ from peers.server.inbox import Inbox
 from peers.wire.errors import ChainError, RequestError
 from peers.wire.messages import TrainBackward, TrainForward, TrainOpen, TrainPush
 from privacy.peer_ids import short_id
+from swarm.compression import Encoded
+from swarm.compression.sender import BACKWARD, FORWARD, RunCompression
+from swarm.links import LinkTable
 
 MAX_NEIGHBOURS = 64  # peer ids per list of a TrainOpen
 MAX_SCALE = float(1 << 16)  # accumulation / share is at most the accumulation
 DIAL_TIMEOUT = 5.0  # seconds to reach the next peer for a push (a dead one must not hold up the stream's replies)
 KEPT = ("input", "output", "grad")
+MAX_PATTERNS = 4096  # top-k index sets of inputs kept at most (micro-batches in flight)
 
 
 class Stage(Protocol):
@@ -86,8 +96,11 @@ class _Turns:
 class TrainChain:
     """The chain side of this peer's run: its neighbours, the inbox of pushes, ordered compute, pushes out."""
 
-    def __init__(self, rpc: Stage, stream_for: StreamFor | None, *, timeout: float) -> None:
-        self.rpc, self.stream_for, self.timeout = rpc, stream_for, timeout
+    def __init__(self, rpc: Stage, stream_for: StreamFor | None, *, timeout: float,
+                 links: LinkTable | None = None) -> None:
+        self.rpc, self.stream_for, self.timeout, self.links = rpc, stream_for, timeout, links
+        self.compression = RunCompression(links=links)  # how we send the run's tensors
+        self._patterns: dict[str, torch.Tensor] = {}  # micro_id -> flat indices of its top-k'd input
         self.inbox = Inbox()
         self.upstream: frozenset[str] = frozenset()  # previous stage's replicas: push us inputs
         self.downstream: frozenset[str] = frozenset()  # next stage's replicas: push us grads
@@ -102,11 +115,17 @@ class TrainChain:
         for name, peers in (("upstream", request.upstream), ("downstream", request.downstream)):
             if len(peers) > MAX_NEIGHBOURS or any(not 1 <= len(p) <= 128 for p in peers):
                 raise RequestError(f"{name} must list at most {MAX_NEIGHBOURS} peer ids")
+        try:
+            RunCompression(request.compression)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
         if (request.upstream or request.downstream) and self.stream_for is None:
             raise RequestError("this peer cannot reach other peers: it cannot train in a chain")
 
     def opened(self, request: TrainOpen) -> None:
         self.upstream, self.downstream = frozenset(request.upstream), frozenset(request.downstream)
+        if request.compression != self.compression.setting:
+            self.compression = RunCompression(request.compression, self.links)
         self.reset(f"run {request.run_id!r} was re-opened: this request belongs to an attempt that was given up")
 
     def reset(self, why: str) -> None:
@@ -114,6 +133,7 @@ class TrainChain:
         self.generation += 1
         self.inbox.fail(lambda key: True, why)
         self._step = {}
+        self._patterns.clear()
         if self._given_up is not None and not self._given_up.done():
             self._given_up.set_result(why)
         self._given_up = None
@@ -132,8 +152,10 @@ class TrainChain:
         return tensor
 
     # ---- pushes in ----------------------------------------------------------------------------------
-    def receive(self, request: TrainPush, tensor: torch.Tensor, sender: str) -> None:
-        """A neighbour's output (or grad, ``backward``) for one micro-batch; only from the peers the trainer named."""
+    def receive(self, request: TrainPush, tensor: torch.Tensor, sender: str, indices: torch.Tensor | None = None
+                ) -> None:
+        """A neighbour's output (or grad, ``backward``) for one micro-batch; only from the peers the trainer named.
+        ``indices``: the flat indices a top-k push kept (a forward's are kept: its grad goes back in that pattern)."""
         allowed = self.downstream if request.backward else self.upstream
         if sender not in allowed:
             which = "next" if request.backward else "previous"
@@ -142,6 +164,8 @@ class TrainChain:
         if not tensor.is_floating_point():
             raise RequestError(f"a pushed tensor must be floating point, got {tensor.dtype}")
         self.inbox.put((request.micro_id, request.backward, sender), tensor)
+        if not request.backward:
+            self._pattern(request.micro_id, indices)
 
     # ---- chained requests -----------------------------------------------------------------------------
     def check_route(self, request: TrainForward | TrainBackward) -> None:
@@ -160,11 +184,15 @@ class TrainChain:
             if not 0 < request.scale <= MAX_SCALE:  # NaN fails too
                 raise RequestError(f"scale must be in (0, {MAX_SCALE:.0f}], got {request.scale}")
 
-    async def run(self, request: TrainForward | TrainBackward, tensor: torch.Tensor | None, stream: object
-                  ) -> tuple[torch.Tensor | None, float]:
-        """Compute one chained request: its input from the trainer (``tensor``) or pushed by its upstream, its result
-        pushed downstream (then None) or returned; with this peer's compute time in ms."""
+    async def run(self, request: TrainForward | TrainBackward, tensor: torch.Tensor | None, stream: object,
+                  indices: torch.Tensor | None = None, trainer: str = ""
+                  ) -> tuple[torch.Tensor | Encoded | None, float]:
+        """Compute one chained request: its input from the trainer (``tensor``; ``indices`` if it came top-k'd) or
+        pushed by its upstream, its result pushed downstream (then None) or returned to peer ``trainer`` as it
+        travels (the run's compression); with this peer's compute time in ms."""
         backward, generation = isinstance(request, TrainBackward), self.generation
+        if tensor is not None and not backward:
+            self._pattern(request.micro_id, indices)
         previous, mine = self._turns.take()
         try:
             if tensor is None:
@@ -187,12 +215,25 @@ class TrainChain:
         finally:
             self._turns.release(previous, mine)
         self._check_generation(generation)
-        self._keep(request, tensor, output, backward)
+        receiver = request.downstream or trainer
+        pattern = self._patterns.pop(request.micro_id, None) if backward else None
+        payload, arrived = self.compression.send(receiver, BACKWARD if backward else FORWARD, output,
+                                                 compute_s=compute_ms / 1e3, indices=pattern)
+        self._keep(request, tensor, arrived, backward)
         if not request.downstream:
-            return output, compute_ms
+            return payload, compute_ms
         await self._push(request.downstream, TrainPush(run_id=request.run_id, micro_id=request.micro_id,
-                                                       backward=backward), output)
+                                                       backward=backward), payload)
         return None, compute_ms
+
+    def _pattern(self, micro_id: str, indices: torch.Tensor | None) -> None:
+        """Keep (or, None, forget) the top-k pattern of a micro-batch's input until its backward."""
+        self._patterns.pop(micro_id, None)
+        if indices is None:
+            return
+        if len(self._patterns) >= MAX_PATTERNS:
+            del self._patterns[next(iter(self._patterns))]
+        self._patterns[micro_id] = indices
 
     def _check_generation(self, generation: int) -> None:
         if generation != self.generation:
@@ -211,7 +252,7 @@ class TrainChain:
         if request.downstream:
             kept["output"] = output.detach()
 
-    async def _push(self, peer: str, message: TrainPush, tensor: torch.Tensor) -> None:
+    async def _push(self, peer: str, message: TrainPush, tensor: torch.Tensor | Encoded) -> None:
         """Hand our result to the next peer of the route; any failure is that peer's (``ChainError``). A re-open
         of the run (the trainer retries) stops it at once: the replies after it on the trainer's stream (the
         re-open's among them) must not wait for a dial to a dead peer."""

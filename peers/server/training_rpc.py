@@ -44,6 +44,7 @@ from peers.wire.messages import (
     TrainPush,
 )
 from privacy.peer_ids import short_id
+from swarm.links import LinkTable
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class TrainingRPC:
 
     def __init__(self, blocks: StageBlocks, info: StageInfo, *, trainers: TrainerPolicy,
                  checkpoint_dir: Path | None = None, stream_for: StreamFor | None = None,
-                 average_timeout: float = 30.0, chain_timeout: float = 60.0) -> None:
+                 average_timeout: float = 30.0, chain_timeout: float = 60.0, links: LinkTable | None = None) -> None:
         self.blocks, self.info, self.checkpoint_dir, self.trainers = blocks, info, checkpoint_dir, trainers
         self.stream_for, self.average_timeout = stream_for, average_timeout  # streams to other peers (averaging)
         self.averager: ReplicaAverager | None = None
@@ -91,7 +92,8 @@ class TrainingRPC:
         self.carried_step = 0
         self.retired = False  # the peer moved off our span (``retire``)
         self._opening = asyncio.Lock()
-        self.chain = TrainChain(self, stream_for, timeout=chain_timeout)  # pushes from/to the adjacent stages
+        # pushes from/to the adjacent stages; ``links``: our measured links (adaptive compression)
+        self.chain = TrainChain(self, stream_for, timeout=chain_timeout, links=links)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-train")
 
     @property
@@ -265,13 +267,14 @@ class TrainingRPC:
         self._trainer(request.run_id, stream)
         self.chain.check_route(request)
 
-    def receive_push(self, request: TrainPush, tensor: torch.Tensor, sender: str) -> None:
+    def receive_push(self, request: TrainPush, tensor: torch.Tensor, sender: str,
+                     indices: torch.Tensor | None = None) -> None:
         """An adjacent stage's push for our run (``peers.server.training_chain``)."""
         if self.trainer is None or self.owner is None or request.run_id != self.run_id:
             if self.moved:
                 raise MovedError(self.moved)
             raise RequestError(f"push refused: run {request.run_id[:64]!r} is not open on this peer")
-        self.chain.receive(request, tensor, sender)
+        self.chain.receive(request, tensor, sender, indices)
 
     def kept(self, request: TrainFetch, stream: object) -> torch.Tensor:
         """Chain replay: a tensor this stage exchanged with a neighbour in the last step it applied."""

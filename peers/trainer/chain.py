@@ -14,6 +14,11 @@ deadlock-free and its gradient sums deterministic (stages compute their chained 
 A failure names its peer: a stage whose stream broke, or the one a stage could not push to (or did not hear from
 in time): ``ChainError.failed_peer``. It becomes ``StageFailure(peer)``: the trainer bans it and retries the step.
 Micro-batch ids carry the attempt, so a push of a given-up attempt can never feed a request of the retry.
+
+Compression (issue 14): the trainer sends the first stage's input and the last stage's grad per the run's setting
+(``SwarmTrainer.compression``: per link and direction with "adaptive", from its measured link to that stage and the
+stage's reported compute); the grad of a top-k'd output goes back in the same pattern. The step's record holds what
+the stages decoded.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from hivemind.p2p import P2PDaemonError, P2PHandlerError
 from peers.client.retry import classify
 from peers.wire.errors import ChainError, MovedError, RequestError
 from peers.wire.messages import InferenceReply, Message, TrainBackward, TrainForward
+from swarm.compression import Encoded
+from swarm.compression.sender import BACKWARD, FORWARD
 from swarm.records import PeerRecord
 
 FAILURES = (ConnectionError, TimeoutError, asyncio.TimeoutError, OSError, P2PDaemonError, P2PHandlerError)
@@ -71,9 +78,11 @@ def backward_messages(run_id: str, micro_id: str, route: list[str], scales: list
                           downstream=route[k - 1] if k else "", scale=scales[k]) for k in range(len(route))]
 
 
-async def run_phase(trainer: Trainer, route: list[str], messages: list[Message], tensors: list[torch.Tensor | None],
-                    submitted: Callable[[], None] | None = None) -> list[tuple[InferenceReply, torch.Tensor | None]]:
-    """Queue ``messages[k]`` to ``route[k]`` for every stage at once, then wait for all the replies. The first
+async def run_phase(trainer: Trainer, route: list[str], messages: list[Message],
+                    tensors: list[torch.Tensor | Encoded | None], submitted: Callable[[], None] | None = None
+                    ) -> list[tuple[InferenceReply, torch.Tensor | None, torch.Tensor | None]]:
+    """Queue ``messages[k]`` to ``route[k]`` for every stage at once, then wait for all the replies (each with the
+    top-k indices of its tensor, if any). The first
     failure raises (``StageFailure`` of the peer it names; a refusal as ``RequestError``); the requests left
     pending are answered later (a re-open of the run fails their waits on the stages) and ignored. ``submitted``
     is called right before the requests are queued (with them: no other phase comes in between)."""
@@ -91,11 +100,13 @@ async def run_phase(trainer: Trainer, route: list[str], messages: list[Message],
         except FAILURES as e:
             raise trainer.failure(peer_id, e, started) from e
     for tensor in tensors:
-        if tensor is not None:
+        if isinstance(tensor, Encoded):
+            trainer.bytes_sent += len(tensor.serialized.buffer)
+        elif tensor is not None:
             trainer.bytes_sent += tensor.numel() * tensor.element_size()
     if submitted is not None:
         submitted()
-    tasks = [asyncio.ensure_future(stream.submit(message, tensor, timeout, observe=False))
+    tasks = [asyncio.ensure_future(stream.submit_coded(message, tensor, timeout, observe=False))
              for stream, message, tensor in zip(streams, messages, tensors, strict=True)]
     pending = set(tasks)
     try:
@@ -141,13 +152,15 @@ async def micro_batch(trainer: Any, input_ids: torch.Tensor, index: int, stage_s
     route = [trainer.replicas[k][replica[k]].peer_id for k in stages]
     scales = [trainer.accumulation / trainer.shares[k][replica[k]] for k in stages]
     last = len(route) - 1
-    hidden = embedded.detach()
+    sending = trainer.compression  # hidden, grad: what the stages decode (the record's)
+    payload, hidden = sending.send(route[0], FORWARD, embedded.detach())
     replies = await run_phase(trainer, route, list(forward_messages(trainer.run_id, micro_id, route)),
-                              [hidden, *([None] * last)])
-    output = replies[last][1]
+                              [payload, *([None] * last)])
+    output, pattern = replies[last][1], replies[last][2]
+    sending.note_compute(route[0], FORWARD, replies[0][0].compute_ms / 1e3)
     if output is None:
         raise RequestError(f"the last stage's forward reply carries no output (micro-batch {micro_id})")
-    for k, (reply, _) in enumerate(replies):
+    for k, (reply, *_) in enumerate(replies):
         stage_busy[k] += reply.compute_ms / 1e3
     record = trainer._record
     if record is not None:  # only what the trainer saw; the stages keep the rest (``TrainFetch``) for a replay
@@ -163,12 +176,14 @@ async def micro_batch(trainer: Any, input_ids: torch.Tensor, index: int, stage_s
             for k in stages:
                 record.ran(k, index)
 
+    payload, grad = sending.send(route[last], BACKWARD, grad, indices=pattern)
     replies = await run_phase(trainer, route, list(backward_messages(trainer.run_id, micro_id, route, scales)),
-                              [*([None] * last), grad], submitted)
+                              [*([None] * last), payload], submitted)
+    sending.note_compute(route[last], BACKWARD, replies[last][0].compute_ms / 1e3)
     grad_input = replies[0][1]
     if grad_input is None:
         raise RequestError(f"the first stage's backward reply carries no grad (micro-batch {micro_id})")
-    for k, (reply, _) in enumerate(replies):
+    for k, (reply, *_) in enumerate(replies):
         stage_steps[k] = max(stage_steps[k], reply.step)
         stage_busy[k] += reply.compute_ms / 1e3
         if record is not None:

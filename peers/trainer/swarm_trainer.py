@@ -58,6 +58,8 @@ from peers.wire.errors import ChainError, MovedError, RequestError
 from peers.wire.messages import TrainApply, TrainBackward, TrainForward, TrainOpen
 from privacy.errors import MembershipError
 from privacy.peer_ids import short_id
+from swarm.compression.policy import check_setting
+from swarm.compression.sender import RunCompression
 from swarm.records import PeerRecord
 from swarm.stages import spread
 
@@ -96,9 +98,16 @@ class SwarmTrainer:
                  run_id: str | None = None, keep_activations: bool = True, recompute: bool = False,
                  checkpoint_every: int = 0, average_every: int = 0, outer_lr: float = 1.0,
                  outer_momentum: float = 0.0, rechoose_every: float = 30.0, pipeline_wait: float = 60.0,
-                 topology: str = "chain", plan: bool = False) -> None:
+                 topology: str = "chain", plan: bool = False, compression: str = "none",
+                 stage_compression: dict[int, str] | None = None) -> None:
         if accumulation < 1 or in_flight < 1:
             raise ValueError("accumulation and in_flight must be >= 1")
+        # how the run's tensors travel (``swarm.compression``): the trainer's own sends, and each stage's unless
+        # ``stage_compression`` names another setting for stage k (what that stage sends: e.g. behind a slow uplink)
+        self.compression = RunCompression(compression, client.router.links)
+        self.stage_compression = {k: check_setting(text) for k, text in (stage_compression or {}).items()}
+        if topology == "star" and {compression, *self.stage_compression.values()} != {"none"}:
+            raise ValueError("compression works in the chain topology only (the star path sends tensors as they are)")
         if topology not in TOPOLOGIES:
             raise ValueError(f"topology must be one of {list(TOPOLOGIES)}, got {topology!r}")
         self.topology = topology  # "chain": stages hand tensors to each other; "star": all through the trainer
@@ -204,8 +213,13 @@ class SwarmTrainer:
             keep_activations=self.keep_activations, checkpoint_every=self.checkpoint_every, replicas=replicas,
             average_every=self.average_every, outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
             explicit_apply=True, run_step=run_step, upstream=upstream, downstream=downstream,
+            compression=self.stage_compression.get(self._stage_index(record), self.compression.setting),
         ), None)
         return reply.step
+
+    def _stage_index(self, record: PeerRecord) -> int:
+        spans = [(group[0].start, group[0].end) for group in self.replicas]
+        return spans.index((record.start, record.end)) if (record.start, record.end) in spans else -1
 
     async def _adopt_joiners(self) -> None:
         """Add peers that started serving a span of the pipeline since it was chosen, as more replicas of it.

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from swarm.compression.policy import check_setting
+
 SCHEDULES = ("constant", "linear", "cosine")
 MAX_LR = 1.0  # AdamW moves every weight by about lr per step: above 1 nothing trains, it only destroys
 MAX_CLIP_NORM = 1e6
@@ -136,6 +138,7 @@ _TRAIN_TYPES = {
     "micro_batch": "int", "steps": "int", "in_flight": "int", "average_every": "int", "outer_lr": "float",
     "outer_momentum": "float", "rechoose_every": "float",
     "checkpoint_dir": "path?", "checkpoint_every": "int", "seed": "int", "keep_activations": "bool",
+    "compression": "str",
 }
 _PATH_KEYS = ("model_dir", "data", "checkpoint_dir")
 
@@ -165,6 +168,9 @@ class TrainConfig:
     checkpoint_every: int = 0
     seed: int = 0
     keep_activations: bool = True
+    # how the run's hidden states and grads travel between stages (``swarm.compression``): "none" (bit-exact), a
+    # codec ("fp16", "bf16", "int8", "topk:0.1/int8") or "adaptive" (AdaTopK per link and direction)
+    compression: str = "none"
     optim: OptimConfig = field(default_factory=OptimConfig)
 
     def __post_init__(self) -> None:
@@ -183,6 +189,10 @@ class TrainConfig:
                             f"{self.outer_momentum}")
         if not problems and self.batch_size % self.micro_batch:
             problems.append(f"batch_size ({self.batch_size}) must be a multiple of micro_batch ({self.micro_batch})")
+        try:
+            self.compression = check_setting(self.compression)
+        except ValueError as e:
+            problems.append(str(e))
         if self.checkpoint_every and self.checkpoint_dir is None:
             problems.append("checkpoint_every is set but checkpoint_dir is not: set both, or checkpoint_every = 0")
         if problems:

@@ -68,6 +68,7 @@ class ForwardRequest(Message):
 
     start: int
     end: int
+    compression: str = ""  # the codec of the request's tensor, for the reply's (``swarm.compression``; "": none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +86,9 @@ class InferenceOpen(Message):
     upstream: str = ""
     downstream: str = ""
     downstream_session: str = ""
+    # how the peer sends this session's outputs, to the client and pushed downstream (``swarm.compression`` codec
+    # text, e.g. "fp16"; "": none, bit-exact)
+    compression: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +178,9 @@ class TrainOpen(Message):
     # chain: the peers of the adjacent stages (all their replicas in this run) that may push to us; empty = the trainer
     upstream: list[str] = dataclasses.field(default_factory=list)
     downstream: list[str] = dataclasses.field(default_factory=list)
+    # how this stage sends the run's tensors (``swarm.compression``): "none" (bit-exact), a codec ("fp16", "int8",
+    # "topk:0.1/int8") or "adaptive" (per link and direction, from the measured link and the compute time)
+    compression: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)

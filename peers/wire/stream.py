@@ -34,11 +34,12 @@ from peers.wire.messages import (
     pack_inference,
 )
 from peers.wire.service import HEARTBEAT_METADATA, INFERENCE_HANDLE
-from peers.wire.tensors import MAX_REPLY_BYTES, read_tensor_messages, sealer, tensor_messages, unsealer
+from peers.wire.tensors import MAX_REPLY_BYTES, read_coded_messages, sealer, tensor_messages, unsealer
 from privacy.admission import Admission, proof_context
 from privacy.channel import ClientHandshake, SecureChannel, new_session_id
 from privacy.errors import ChannelError, MembershipError
 from privacy.peer_ids import public_key_of, short_id
+from swarm.compression import NONE, Codec, Encoded
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class _Due:
     timer: asyncio.TimerHandle | None
     began: float = 0.0  # ``time.perf_counter()`` when the request was queued (uvloop's clock counts whole ms)
     sent: int | None = None  # bytes of the request, if it had the stream to itself (no reply due before it)
+    coded: bool = False  # the future gets (reply, tensor, top-k indices) instead of (reply, tensor)
 
 
 @dataclass(eq=False)
@@ -71,12 +73,16 @@ class _Step:
     hold: bool = False
     push: bool = False
     tokens: int = 0  # new tokens (of the pushed input, when ``hidden`` is None)
+    codec: Codec = NONE  # how ``hidden`` travels
+    indices: torch.Tensor | None = field(default=None, repr=False)  # top-k's forced pattern (travels alone)
 
     @property
     def group(self) -> tuple:
-        """Steps travel together only with steps of the same kind and number of new tokens (replies concatenate
-        their outputs)."""
-        return self.push, self.hold, self.hidden is None, self.tokens if self.hidden is None else self.hidden.shape[1]
+        """Steps travel together only with steps of the same kind, codec and number of new tokens (replies
+        concatenate their outputs); a step with forced top-k indices travels alone."""
+        tokens = self.tokens if self.hidden is None else self.hidden.shape[1]
+        alone = id(self) if self.indices is not None else 0
+        return self.push, self.hold, self.hidden is None, tokens, self.codec, alone
 
 
 class PeerStream:
@@ -167,62 +173,97 @@ class PeerStream:
         self._writer = asyncio.create_task(self._write(self._out))
         self._reader = asyncio.create_task(self._read(self._frames()))
 
-    async def forward(self, start: int, end: int, hidden: torch.Tensor, timeout: float) -> torch.Tensor:
-        """Blocks ``[start, end)`` of the peer on ``hidden`` (no session); ``RequestError`` if refused."""
-        reply, output = await self._request(pack_inference(ForwardRequest(start=start, end=end)), hidden, timeout)
+    async def forward(self, start: int, end: int, hidden: torch.Tensor, timeout: float, *, codec: Codec = NONE
+                      ) -> torch.Tensor:
+        """Blocks ``[start, end)`` of the peer on ``hidden`` (no session); ``RequestError`` if refused. ``codec``:
+        how ``hidden`` travels, and asks the peer to send its output the same way."""
+        request = ForwardRequest(start=start, end=end, compression="" if codec.exact else str(codec))
+        reply, output = await self._request(pack_inference(request), hidden, timeout, codec=codec)
         if reply.error or output is None:
             raise RequestError(f"peer {short_id(self.peer_id)} refused blocks {start}:{end}: "
                                f"{reply.error or 'no output in the reply'}")
         return output
 
-    async def call(self, message: Message, tensor: torch.Tensor | None, timeout: float, *, observe: bool = True
+    async def call(self, message: Message, tensor: torch.Tensor | Encoded | None, timeout: float, *,
+                   observe: bool = True, codec: Codec = NONE, indices: torch.Tensor | None = None
                    ) -> tuple[InferenceReply, torch.Tensor | None]:
         """Send one request (e.g. a training call) and return its reply; ``RequestError`` if it was refused.
-        ``observe=False``: its timing is not a passive link sample (a probe reports its own)."""
-        reply, output = await self._request(pack_inference(message), tensor, timeout, observe=observe)
+        ``observe=False``: its timing is not a passive link sample (a probe reports its own). ``codec`` (and
+        ``indices``, top-k's forced pattern): how ``tensor`` travels (an ``Encoded`` one travels as it is)."""
+        reply, output, _ = await self.call_coded(message, tensor, timeout, observe=observe, codec=codec,
+                                                 indices=indices)
+        return reply, output
+
+    async def call_coded(self, message: Message, tensor: torch.Tensor | Encoded | None, timeout: float, *,
+                         observe: bool = True, codec: Codec = NONE, indices: torch.Tensor | None = None
+                         ) -> tuple[InferenceReply, torch.Tensor | None, torch.Tensor | None]:
+        """``call``, with the sorted flat indices of a top-k reply tensor (None for other codecs)."""
+        future = self._send(pack_inference(message), tensor, timeout, observe=observe, codec=codec, indices=indices,
+                            coded=True)
+        reply, output, kept = await future
         if reply.error:
             raise RequestError(f"peer {short_id(self.peer_id)} refused {type(message).__name__}: {reply.error}")
-        return reply, output
+        return reply, output, kept
 
     async def open(self, request: InferenceOpen, timeout: float) -> InferenceReply:
         reply, _ = await self._request(pack_inference(request), None, timeout)
         return reply
 
-    async def step(self, session_id: str, position: int, hidden: torch.Tensor, timeout: float) -> torch.Tensor:
-        """The outputs of one session's step; may travel together with other sessions' steps."""
-        return await self.queue_step(session_id, position, hidden, timeout, rows=hidden.shape[0])
+    async def step(self, session_id: str, position: int, hidden: torch.Tensor, timeout: float, *,
+                   codec: Codec = NONE) -> torch.Tensor:
+        """The outputs of one session's step; may travel together with other sessions' steps (of the same codec)."""
+        return await self.queue_step(session_id, position, hidden, timeout, rows=hidden.shape[0], codec=codec)
 
     def queue_step(self, session_id: str, position: int, hidden: torch.Tensor | None, timeout: float, *,
-                   rows: int, hold: bool = False, push: bool = False, tokens: int = 0) -> asyncio.Future:
+                   rows: int, hold: bool = False, push: bool = False, tokens: int = 0, codec: Codec = NONE,
+                   indices: torch.Tensor | None = None) -> asyncio.Future:
         """Queue a step now (chain steps may carry no tensor: the peer's upstream pushes it); the future gets the
         step's output rows (``rows`` of them, or None with ``rows=0``: the output went downstream). With ``push``,
-        a push into the next peer's session instead (``InferencePush``; the future gets None)."""
+        a push into the next peer's session instead (``InferencePush``; the future gets None). ``codec`` (and
+        ``indices``, top-k's forced pattern): how ``hidden`` travels."""
         future = asyncio.get_running_loop().create_future()
         if self.closed:
             future.set_exception(ConnectionError(f"stream to peer {short_id(self.peer_id)} is closed"))
             return future
-        self._pending.append(_Step(session_id, position, hidden, timeout, future, rows, hold, push, tokens))
+        self._pending.append(_Step(session_id, position, hidden, timeout, future, rows, hold, push, tokens, codec,
+                                   indices))
         self._schedule_flush()
         return future
 
-    async def push(self, session_id: str, position: int, hidden: torch.Tensor, timeout: float) -> None:
-        """Push our outputs into a session of this (next) peer: the chain; may travel with other sessions' pushes."""
-        await self.queue_step(session_id, position, hidden, timeout, rows=0, push=True)
+    async def push(self, session_id: str, position: int, hidden: torch.Tensor, timeout: float, *,
+                   codec: Codec = NONE, indices: torch.Tensor | None = None) -> None:
+        """Push our outputs into a session of this (next) peer: the chain; may travel with other sessions' pushes
+        (of the same codec; one with forced top-k ``indices`` travels alone)."""
+        await self.queue_step(session_id, position, hidden, timeout, rows=0, push=True, codec=codec, indices=indices)
 
-    def submit(self, message: Message, tensor: torch.Tensor | None, timeout: float, *, observe: bool = True
+    def submit(self, message: Message, tensor: torch.Tensor | Encoded | None, timeout: float, *,
+               observe: bool = True, codec: Codec = NONE, indices: torch.Tensor | None = None
                ) -> Awaitable[tuple[InferenceReply, torch.Tensor | None]]:
         """Queue one request at once (in the order of the calls, across streams too: the trainer sends each phase
         of a micro-batch to every stage this way) and return an awaitable of its reply; ``RequestError`` if it
         was refused. ``observe=False``: its timing is no link sample (a chained request's wall time includes other
-        peers' work)."""
-        future = self._send(pack_inference(message), tensor, timeout, observe=observe)
+        peers' work). ``codec``/``indices``: how ``tensor`` travels (an ``Encoded`` one travels as it is)."""
+        coded = self.submit_coded(message, tensor, timeout, observe=observe, codec=codec, indices=indices)
 
-        async def checked() -> tuple[InferenceReply, torch.Tensor | None]:
-            reply, output = await future
+        async def plain() -> tuple[InferenceReply, torch.Tensor | None]:
+            reply, output, _ = await coded
+            return reply, output
+
+        return plain()
+
+    def submit_coded(self, message: Message, tensor: torch.Tensor | Encoded | None, timeout: float, *,
+                     observe: bool = True, codec: Codec = NONE, indices: torch.Tensor | None = None
+                     ) -> Awaitable[tuple[InferenceReply, torch.Tensor | None, torch.Tensor | None]]:
+        """``submit``, with the sorted flat indices of a top-k reply tensor (None for other codecs)."""
+        future = self._send(pack_inference(message), tensor, timeout, observe=observe, codec=codec, indices=indices,
+                            coded=True)
+
+        async def checked() -> tuple[InferenceReply, torch.Tensor | None, torch.Tensor | None]:
+            reply, output, kept = await future
             if reply.error:
                 raise refusal_or_failure(f"peer {short_id(self.peer_id)} refused {type(message).__name__}: "
                                          f"{reply.error}", reply.failed_peer)
-            return reply, output
+            return reply, output, kept
 
         return checked()
 
@@ -287,7 +328,8 @@ class PeerStream:
         hidden = None if not tensors else torch.cat(tensors) if len(tensors) > 1 else tensors[0]
         self._in_flight = True
         self.step_messages += 1
-        reply = self._send(pack_inference(message), hidden, max(s.timeout for s in group))
+        reply = self._send(pack_inference(message), hidden, max(s.timeout for s in group), codec=group[0].codec,
+                           indices=group[0].indices)
         reply.add_done_callback(lambda done: self._deliver(done, group))
 
     def _deliver(self, done: asyncio.Future, group: list[_Step]) -> None:
@@ -298,7 +340,7 @@ class PeerStream:
                 if not step.future.done():
                     step.future.set_exception(error)
         else:
-            reply, output = done.result()
+            reply, output = done.result()[:2]
             what = "a push" if group[0].push else "a step"
             accepted = [s for s, e in zip(group, reply.errors, strict=False) if not e and s.rows]
             rows = sum(s.rows for s in accepted)
@@ -320,13 +362,15 @@ class PeerStream:
                         step.future.set_result(next(outputs) if step.rows else None)
         self._schedule_flush()
 
-    async def _request(self, metadata: bytes, hidden: torch.Tensor | None, timeout: float, *, observe: bool = True):
+    async def _request(self, metadata: bytes, hidden: torch.Tensor | None, timeout: float, *, observe: bool = True,
+                       codec: Codec = NONE):
         """Send one request and wait for its reply ``(InferenceReply, tensor or None)``."""
-        return await self._send(metadata, hidden, timeout, observe=observe)
+        return await self._send(metadata, hidden, timeout, observe=observe, codec=codec)
 
-    def _send(self, metadata: bytes, hidden: torch.Tensor | None, timeout: float, *, observe: bool = True
-              ) -> asyncio.Future:
-        """Queue one request now; the future of its reply ``(InferenceReply, tensor or None)``."""
+    def _send(self, metadata: bytes, hidden: torch.Tensor | Encoded | None, timeout: float, *, observe: bool = True,
+              codec: Codec = NONE, indices: torch.Tensor | None = None, coded: bool = False) -> asyncio.Future:
+        """Queue one request now (``hidden`` in ``codec``); the future of its reply ``(InferenceReply, tensor or
+        None)``, with ``coded`` ``(InferenceReply, tensor or None, top-k indices or None)``."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         if self.closed:
@@ -336,9 +380,10 @@ class PeerStream:
         alone = not self._waiting
         if alone:
             self._idle_until = loop.time()  # silence before this request does not count against the peer
-        messages = [_message(metadata)] if hidden is None else list(tensor_messages(hidden, metadata, seal=self._seal))
+        messages = [_message(metadata)] if hidden is None else list(
+            tensor_messages(hidden, metadata, seal=self._seal, codec=codec, indices=indices))
         sent = sum(m.ByteSize() for m in messages) if alone and observe and self.observe is not None else None
-        self._waiting.append(_Due(future, timer, time.perf_counter(), sent))
+        self._waiting.append(_Due(future, timer, time.perf_counter(), sent, coded))
         for message in messages:
             self._outbox.put_nowait(message)
         return future
@@ -397,17 +442,19 @@ class PeerStream:
         try:
             async for first in replies:
                 reply = InferenceReply.from_bytes(first.metadata)
-                output = None
+                output = kept = None
+                before = self.bytes_received - first.ByteSize()
                 if first.tensors:
-                    _, output = await read_tensor_messages(replies, MAX_REPLY_BYTES, first=first, unseal=self._unseal)
+                    _, output, kept = await read_coded_messages(replies, MAX_REPLY_BYTES, first=first,
+                                                                unseal=self._unseal)
                 if not self._waiting:
                     raise ConnectionError("the peer sent a reply nobody asked for")
                 due = self._waiting.popleft()
                 if due.timer is not None:
                     due.timer.cancel()
-                self._sample(due, reply, first, output)
+                self._sample(due, reply, self.bytes_received - before)
                 if not due.future.done():
-                    due.future.set_result((reply, output))
+                    due.future.set_result((reply, output, kept) if due.coded else (reply, output))
             end = self._replies.end.error if self._replies.end is not None else ""
             reason = f"peer {short_id(self.peer_id)} closed the stream"
             self.shutdown(ConnectionError(f"{reason}: {end}" if end else reason))
@@ -421,13 +468,12 @@ class PeerStream:
                 self._out.close()
 
 
-    def _sample(self, due: _Due, reply: InferenceReply, first: runtime_pb2.ExpertResponse,
-                output: torch.Tensor | None) -> None:
-        """Tell ``observe`` the timing of a reply that reports the peer's time on it (a passive link sample)."""
+    def _sample(self, due: _Due, reply: InferenceReply, received: int) -> None:
+        """Tell ``observe`` the timing of a reply that reports the peer's time on it (a passive link sample);
+        ``received``: the reply's bytes on the wire (coded, sealed)."""
         if due.sent is None or self.observe is None or reply.error or not reply.compute_ms > 0:
             return
         wall = time.perf_counter() - due.began
-        received = first.ByteSize() + (output.numel() * output.element_size() if output is not None else 0)
         try:
             self.observe(self.peer_id, wall, reply.compute_ms / 1e3, due.sent + received)
         except Exception as e:  # a measurement must never break the stream

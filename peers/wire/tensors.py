@@ -1,5 +1,6 @@
-"""Tensors on the stream: serialized (bfloat16 kept at 2 bytes), optionally sealed, split into chunk messages
-and read back with a size limit."""
+"""Tensors on the stream: serialized (bfloat16 kept at 2 bytes) or coded (``swarm.compression``: fp16, bf16, int8,
+top-k), optionally sealed, split into chunk messages and read back with a size limit (on the bytes on the wire and
+on the decoded tensor)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import torch
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import deserialize_torch_tensor
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import split_for_streaming
 
 from peers.core.ids import DTYPES
 from peers.wire.errors import RequestError
+from swarm.compression.codecs import CODED, NONE, Codec, Encoded, decode, encode, serialize_none
 
 MAX_REPLY_BYTES = 1 << 30  # clients accept replies up to this size
 CHUNK_BYTES = 1 << 20  # tensors travel in 1 MiB messages: big enough for the stream rate, small for memory
@@ -37,22 +39,24 @@ def unsealer(channel) -> Callable[[bytes, bytes], bytes] | None:
 def serialize(tensor: torch.Tensor) -> runtime_pb2.Tensor:
     """hivemind's serialization, except that bfloat16 keeps its 2 bytes per value (hivemind's default mode
     widens it to float32, doubling the bytes of a bf16 model's activations); every hivemind reads both."""
-    tensor = tensor.detach().cpu()
-    if tensor.dtype != torch.bfloat16:
-        return serialize_torch_tensor(tensor)
-    return runtime_pb2.Tensor(compression=runtime_pb2.CompressionType.NONE, size=tensor.shape, dtype="bfloat16",
-                              buffer=tensor.contiguous().view(torch.int16).numpy().tobytes())
+    return serialize_none(tensor)
 
 
 def tensor_messages(
-    tensor: torch.Tensor, metadata: bytes, cls: type = runtime_pb2.ExpertRequest,
-    seal: Callable[[bytes, bytes], bytes] | None = None,
+    tensor: torch.Tensor | Encoded, metadata: bytes, cls: type = runtime_pb2.ExpertRequest,
+    seal: Callable[[bytes, bytes], bytes] | None = None, codec: Codec = NONE, indices: torch.Tensor | None = None,
 ) -> Iterator[Any]:
-    """Serialize ``tensor`` into stream messages; the first one carries ``metadata``.
+    """Serialize ``tensor`` in ``codec`` (``indices``: top-k's forced pattern) into stream messages; the first one
+    carries ``metadata``. An ``Encoded`` tensor (``swarm.compression.encode``) travels as it is.
 
-    ``seal(buffer, metadata)``, if given, encrypts the tensor's bytes (shape and dtype stay in the clear).
+    ``seal(buffer, metadata)``, if given, encrypts the coded bytes (shape, dtype and the coded mark stay in the
+    clear; a codec's header is sealed with its data).
     """
-    serialized = serialize(tensor)
+    if isinstance(tensor, Encoded):
+        serialized = runtime_pb2.Tensor()
+        serialized.CopyFrom(tensor.serialized)
+    else:
+        serialized = encode(tensor, codec, indices=indices).serialized
     if seal is not None:
         serialized.buffer = seal(serialized.buffer, metadata)
     for i, chunk in enumerate(split_for_streaming(serialized, CHUNK_BYTES)):
@@ -63,12 +67,24 @@ async def read_tensor_messages(
     stream: AsyncIterator[Any], max_bytes: int, first: Any | None = None,
     unseal: Callable[[bytes, bytes], bytes] | None = None,
 ) -> tuple[bytes, torch.Tensor]:
-    """Collect one tensor (and the first message's metadata) from a stream of chunked messages.
+    """``read_coded_messages`` without the top-k indices."""
+    metadata, tensor, _ = await read_coded_messages(stream, max_bytes, first, unseal)
+    return metadata, tensor
+
+
+async def read_coded_messages(
+    stream: AsyncIterator[Any], max_bytes: int, first: Any | None = None,
+    unseal: Callable[[bytes, bytes], bytes] | None = None, *, max_decoded_bytes: int | None = None,
+) -> tuple[bytes, torch.Tensor, torch.Tensor | None]:
+    """Collect one tensor (the first message's metadata, the dense tensor, and for a top-k message its sorted flat
+    indices, else None) from a stream of chunked messages, in any codec.
 
     ``first``, if given, is a message already taken from ``stream``. Reads exactly the tensor's chunks, so
     a long-lived stream can carry many tensors one after another. Raises ``RequestError`` if the stream
-    ends early, the chunks are malformed or exceed ``max_bytes`` (or declare more chunks than ``max_bytes``
-    allows: a tensor is kept as its chunks' buffers only, never more of them), ``unseal``'s error if it refuses.
+    ends early, the chunks are malformed or exceed ``max_bytes`` on the wire (or declare more chunks than
+    ``max_bytes`` allows: a tensor is kept as its chunks' buffers only, never more of them), if the decoded tensor
+    would exceed ``max_decoded_bytes`` (default ``max_bytes``: a codec saves bandwidth, it never raises what a peer
+    takes), or its codec's data is malformed; ``unseal``'s error if it refuses.
     """
     if first is None:
         try:
@@ -101,17 +117,23 @@ async def read_tensor_messages(
                                     buffer=b"".join(buffers))
     if unseal is not None:
         serialized.buffer = unseal(serialized.buffer, first.metadata)
-    return first.metadata, decode_tensor(serialized)
+    if serialized.compression != CODED:
+        return first.metadata, decode_tensor(serialized), None
+    try:
+        decoded = decode(serialized, max_bytes=max_bytes if max_decoded_bytes is None else max_decoded_bytes)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    return first.metadata, decoded.tensor, decoded.indices
 
 
 def decode_tensor(serialized: runtime_pb2.Tensor) -> torch.Tensor:
-    """An uncompressed tensor of a wire dtype whose buffer matches its shape (checked before anything is
+    """An uncompressed (``none``) tensor of a wire dtype whose buffer matches its shape (checked before anything is
     allocated; never requiring grad), else ``RequestError``."""
     if serialized.dtype not in WIRE_DTYPES:
         raise RequestError(f"dtype {serialized.dtype[:32]!r} is not accepted; send one of {sorted(WIRE_DTYPES)}")
     if serialized.compression != runtime_pb2.CompressionType.NONE:
         raise RequestError(f"malformed tensor: compression type {serialized.compression} is not accepted; "
-                           f"send uncompressed (NONE) tensors")
+                           f"send uncompressed (NONE) or coded tensors")
     if len(serialized.size) > MAX_DIMS:
         raise RequestError(f"malformed tensor: {len(serialized.size)} dimensions, at most {MAX_DIMS} accepted")
     numel = math.prod(serialized.size)

@@ -133,3 +133,14 @@ def test_train_config_errors(tmp_path: Path, text: str, match: str) -> None:
 def test_train_config_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="does not exist"):
         TrainConfig.from_toml(tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize("text", ["none", "fp16", "int8", "topk:0.1/int8", "adaptive"])
+def test_train_config_takes_a_compression_setting(text: str) -> None:
+    assert TrainConfig(model_dir=Path("m"), compression=text).compression == text
+
+
+def test_train_config_refuses_a_bad_compression_setting() -> None:
+    assert TrainConfig(model_dir=Path("m")).compression == "none"
+    with pytest.raises(ValueError, match="compression must be 'none', 'adaptive' or a codec"):
+        TrainConfig(model_dir=Path("m"), compression="topk:3")
