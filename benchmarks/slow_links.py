@@ -18,9 +18,10 @@ of 4 x 128 tokens, 8 per step, 4 in flight, 10 steps (40,960 training tokens per
 hidden state (or its gradient) of a micro-batch is 4*128*512*4 bytes = 1 MiB: ~1.1 s at 8 Mbit/s (95% goodput),
 ~0.09 s at 100 Mbit/s. One block's forward + backward of a micro-batch took 0.13 s on one thread of this machine
 when quiet (2 blocks: 0.27 s, 0.8 s under the load of other jobs), and the 3 stages and the trainer share 2 cores,
-so with 1 block per stage the slow link is the bottleneck by ~4x (``compute_vs_transfer`` in the JSON: the stages'
-measured busy time per micro-batch in the run); with 2 or more blocks per stage (or hidden 1024) the CPUs, not the
-link, would bound every configuration on this 2-core machine and compression could not show.
+so with 1 block per stage the slow link is the bottleneck by ~4x on paper (``compute_vs_transfer`` in the JSON:
+the stages' measured busy time per micro-batch in the run; in the run itself the link carried less than its rate:
+see benchmarks/README.md); with 2 or more blocks per stage (or hidden 1024) the CPUs, not the link, would bound
+every configuration on this 2-core machine and compression could not show.
 
 Configurations (``--configs``, ``COMPRESSION/STALENESS``): ``TrainConfig.compression`` "none" | "fp16" | "int8" |
 "adaptive" (AdaTopK) and ``TrainConfig.staleness`` 0 | 1, passed to ``SwarmTrainer`` as keyword arguments; one a
