@@ -32,7 +32,7 @@ import torch
 
 from swarm.compression.codecs import Codec, Encoded, decode, encode
 from swarm.compression.feedback import ErrorFeedback
-from swarm.compression.policy import ADAPTIVE, AdaptiveChooser, check_setting
+from swarm.compression.policy import AdaptiveChooser, adaptive_slack, check_setting
 from swarm.links import DEFAULT_LINK, LinkTable
 
 ANCHOR_REFUSED = "anchor differs"  # in a refusal of a delta: the sender sends its parameters in full instead
@@ -62,7 +62,8 @@ class DeltaCompression:
     def __init__(self, setting: str = "none", links: LinkTable | None = None, *, error_feedback: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.setting = check_setting(setting)
-        self.fixed = None if self.setting == ADAPTIVE else Codec.parse(self.setting)
+        # with error feedback top-k loses nothing over rounds: "adaptive" here uses top-k as soon as int8 does not fit
+        self.fixed = None if adaptive_slack(self.setting) is not None else Codec.parse(self.setting)
         self.links, self.error_feedback, self.clock = links, error_feedback, clock
         self.feedback = ErrorFeedback()
         self.chooser = AdaptiveChooser()

@@ -27,6 +27,11 @@ MIN_FRACTION = 0.01  # top-k never keeps less than this share of the elements
 VALUES = "int8"  # how top-k's kept values travel
 MARGIN = 0.25  # hysteresis of ``AdaptiveChooser``: a share of the compute time
 ADAPTIVE = "adaptive"
+# "adaptive" in a training run: top-k (lossy, and with no error feedback for activations) only where even int8 would
+# take more than this many times the compute; below that the link binds a little and quantization stays (measured:
+# int8 costs no held-out loss, top-k at half the values costs ~10%: benchmarks/README.md, "Training over slow links")
+TOPK_SLACK = 4.0
+MAX_SLACK = 1000.0
 FIXED_ORDER = ("none", "bf16", "fp16", "int8")  # least lossy first; bf16 before fp16: it never overflows to inf
 _SEARCH_STEPS = 40  # bisection steps for top-k's fraction
 
@@ -45,9 +50,12 @@ def lossiness(codec: Codec) -> tuple[int, float]:
 
 
 def choose(numel: int, dtype: torch.dtype, *, bandwidth_bps: float, compute_s: float, rtt_s: float = 0.0,
-           allowed: Iterable[str] = CODECS, min_fraction: float = MIN_FRACTION, values: str = VALUES) -> Codec:
+           allowed: Iterable[str] = CODECS, min_fraction: float = MIN_FRACTION, values: str = VALUES,
+           topk_slack: float = 1.0) -> Codec:
     """The least lossy allowed codec whose transfer time fits under ``compute_s`` (see the module's docstring);
-    with none fitting, top-k at ``min_fraction`` (or, top-k not allowed, the allowed codec of the fewest bytes)."""
+    with none fitting, top-k at ``min_fraction`` (or, top-k not allowed, the allowed codec of the fewest bytes).
+    ``topk_slack`` > 1: while the fewest-bytes quantizing codec takes at most ``topk_slack * compute_s``, it is
+    chosen rather than top-k (the link binds, by at most that factor, but nothing is dropped)."""
     allowed = tuple(allowed)
     _check(numel, bandwidth_bps, compute_s, rtt_s, allowed, min_fraction)
 
@@ -58,8 +66,13 @@ def choose(numel: int, dtype: torch.dtype, *, bandwidth_bps: float, compute_s: f
     for codec in fixed:
         if fits(codec):
             return codec
+    cheapest = min(fixed, key=lambda c: (payload_bytes(numel, dtype, c), lossiness(c)), default=None)
     if "topk" not in allowed:
-        return min(fixed, key=lambda c: (payload_bytes(numel, dtype, c), lossiness(c)))
+        assert cheapest is not None  # ``_check``: something is allowed
+        return cheapest
+    if cheapest is not None and topk_slack > 1 and \
+            transfer_time(numel, dtype, cheapest, bandwidth_bps=bandwidth_bps, rtt_s=rtt_s) <= topk_slack * compute_s:
+        return cheapest
     floor = Codec("topk", fraction=min_fraction, values=values)
     if not fits(floor):
         return floor
@@ -74,10 +87,11 @@ class AdaptiveChooser:
     """``choose`` per key (e.g. ``(peer id, "forward")``), re-decided on every message with hysteresis."""
 
     def __init__(self, *, margin: float = MARGIN, allowed: Iterable[str] = CODECS,
-                 min_fraction: float = MIN_FRACTION, values: str = VALUES) -> None:
+                 min_fraction: float = MIN_FRACTION, values: str = VALUES, topk_slack: float = 1.0) -> None:
         if not 0 <= margin < 1:
             raise ValueError(f"margin must be in [0, 1), got {margin}")
         self.margin, self.allowed, self.min_fraction, self.values = margin, tuple(allowed), min_fraction, values
+        self.topk_slack = topk_slack
         self.current: dict[Hashable, Codec] = {}
         self.switches = 0  # decisions that changed a key's codec (the first decision of a key not counted)
 
@@ -91,7 +105,8 @@ class AdaptiveChooser:
 
         def pick(budget: float) -> Codec:
             return choose(numel, dtype, bandwidth_bps=bandwidth_bps, compute_s=budget, rtt_s=rtt_s,
-                          allowed=self.allowed, min_fraction=self.min_fraction, values=self.values)
+                          allowed=self.allowed, min_fraction=self.min_fraction, values=self.values,
+                          topk_slack=self.topk_slack)
 
         if current is None:
             decided = pick(compute_s)
@@ -112,16 +127,36 @@ class AdaptiveChooser:
 
 
 def check_setting(text: str) -> str:
-    """A run's compression setting, checked: "none", "adaptive" or a codec's text; ``ValueError`` otherwise."""
+    """A run's compression setting, checked: "none", "adaptive", "adaptive:SLACK" (top-k only where int8 would
+    take more than SLACK times the compute; 1: as soon as int8 does not fit) or a codec's text; ``ValueError``
+    otherwise."""
     if not isinstance(text, str):
         raise ValueError(f"compression must be a string, got {type(text).__name__}")
-    if text == ADAPTIVE:
-        return text
+    if text == ADAPTIVE or text.startswith(ADAPTIVE + ":"):
+        slack = adaptive_slack(text)
+        return ADAPTIVE if slack == TOPK_SLACK and text == ADAPTIVE else f"{ADAPTIVE}:{slack:g}"
     try:
         return str(Codec.parse(text))
     except ValueError as e:
-        raise ValueError(f"compression must be 'none', 'adaptive' or a codec like 'fp16', 'bf16', 'int8', "
-                         f"'topk:0.1/int8': {e}") from None
+        raise ValueError(f"compression must be 'none', 'adaptive', 'adaptive:SLACK' or a codec like 'fp16', 'bf16', "
+                         f"'int8', 'topk:0.1/int8': {e}") from None
+
+
+def adaptive_slack(setting: str) -> float | None:
+    """The top-k slack of an "adaptive[:SLACK]" setting (``TOPK_SLACK`` for plain "adaptive"); None for any other
+    setting; ``ValueError`` for a SLACK that is not a number in [1, MAX_SLACK]."""
+    if setting == ADAPTIVE:
+        return TOPK_SLACK
+    if not setting.startswith(ADAPTIVE + ":"):
+        return None
+    text = setting[len(ADAPTIVE) + 1:]
+    try:
+        slack = float(text)
+    except ValueError:
+        slack = math.nan
+    if not 1.0 <= slack <= MAX_SLACK:  # NaN fails too
+        raise ValueError(f"compression 'adaptive:SLACK' needs SLACK in [1, {MAX_SLACK:g}], got {text[:16]!r}")
+    return slack
 
 
 def _round_down(fraction: float) -> float:

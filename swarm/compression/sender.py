@@ -20,7 +20,7 @@ from collections.abc import Hashable
 import torch
 
 from swarm.compression.codecs import NONE, VALUE_CODECS, Codec, Encoded, decode, encode
-from swarm.compression.policy import ADAPTIVE, VALUES, AdaptiveChooser, check_setting
+from swarm.compression.policy import VALUES, AdaptiveChooser, adaptive_slack, check_setting
 from swarm.links import DEFAULT_LINK, LinkTable
 
 FORWARD, BACKWARD = "forward", "backward"
@@ -31,9 +31,10 @@ class RunCompression:
 
     def __init__(self, setting: str = "none", links: LinkTable | None = None) -> None:
         self.setting = check_setting(setting)
-        self.fixed = None if self.setting == ADAPTIVE else Codec.parse(self.setting)
+        slack = adaptive_slack(self.setting)
+        self.fixed = None if slack is not None else Codec.parse(self.setting)
         self.links = links
-        self.chooser = AdaptiveChooser()
+        self.chooser = AdaptiveChooser(topk_slack=slack or 1.0)
         self.compute: dict[Hashable, float] = {}  # (peer, direction) -> seconds of the compute a transfer overlaps
         self.sent: dict[str, int] = {}  # codec text -> tensors sent in it (for logs and tests)
 
@@ -69,7 +70,7 @@ class RunCompression:
         ``direction``, from our measured link to it and the compute it last reported for it (``note_compute`` with
         ``"reply-" + direction``); "" otherwise: the peer follows the run's setting. A stage cannot measure its link to
         a trainer (it only answers on the trainer's stream), so the trainer chooses for it."""
-        if self.setting != ADAPTIVE:
+        if self.fixed is not None:
             return ""
         return str(self.codec(peer, "reply-" + direction, like))
 

@@ -8,7 +8,9 @@ import torch
 from swarm.compression.codecs import NONE, Codec, payload_bytes
 from swarm.compression.policy import (
     MIN_FRACTION,
+    TOPK_SLACK,
     AdaptiveChooser,
+    adaptive_slack,
     check_setting,
     choose,
     lossiness,
@@ -141,3 +143,25 @@ def test_settings(text: str, expected: str) -> None:
 def test_bad_settings_are_refused(text: str) -> None:
     with pytest.raises(ValueError, match="compression must be"):
         check_setting(text)
+
+
+def test_topk_slack_keeps_int8_while_the_link_binds_by_at_most_the_slack() -> None:
+    numel, mbit = 4 * 128 * 512, 1e6  # one 1 MiB fp32 hidden state
+    int8_s = transfer_time(numel, torch.float32, Codec("int8"), bandwidth_bps=8 * mbit)  # ~0.27 s at 8 Mbit/s
+    strict = choose(numel, torch.float32, bandwidth_bps=8 * mbit, compute_s=int8_s / 1.5)
+    assert strict.name == "topk"  # the FusionLLM rule: transfer under compute, whatever it drops
+    slack = choose(numel, torch.float32, bandwidth_bps=8 * mbit, compute_s=int8_s / 1.5, topk_slack=4.0)
+    assert slack == Codec("int8")  # int8 takes 1.5x the compute: within the slack, nothing dropped
+    far = choose(numel, torch.float32, bandwidth_bps=8 * mbit, compute_s=int8_s / 5, topk_slack=4.0)
+    assert far.name == "topk"
+    assert far.fraction < strict.fraction  # beyond the slack: top-k sized to fit under the compute, as before
+
+
+def test_adaptive_settings_carry_their_slack() -> None:
+    assert check_setting("adaptive") == "adaptive" and adaptive_slack("adaptive") == TOPK_SLACK
+    assert check_setting("adaptive:1") == "adaptive:1" and adaptive_slack("adaptive:1") == 1.0
+    assert check_setting("adaptive:4") == "adaptive:4"
+    assert adaptive_slack("int8") is None and adaptive_slack("none") is None
+    for bad in ("adaptive:0", "adaptive:inf", "adaptive:-2", "adaptive:abc"):
+        with pytest.raises(ValueError, match="needs SLACK in"):
+            check_setting(bad)

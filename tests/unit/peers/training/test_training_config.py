@@ -142,5 +142,9 @@ def test_train_config_takes_a_compression_setting(text: str) -> None:
 
 def test_train_config_refuses_a_bad_compression_setting() -> None:
     assert TrainConfig(model_dir=Path("m")).compression == "none"
-    with pytest.raises(ValueError, match="compression must be 'none', 'adaptive' or a codec"):
+    with pytest.raises(ValueError, match="compression must be 'none', 'adaptive', 'adaptive:SLACK' or a codec"):
         TrainConfig(model_dir=Path("m"), compression="topk:3")
+    for bad in ("adaptive:0.5", "adaptive:nan", "adaptive:x", "adaptive:"):
+        with pytest.raises(ValueError, match="needs SLACK in"):
+            TrainConfig(model_dir=Path("m"), compression=bad)
+    assert TrainConfig(model_dir=Path("m"), compression="adaptive:1.0").compression == "adaptive:1"
