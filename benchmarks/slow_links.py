@@ -1,7 +1,7 @@
 """Training over slow links (issue 14): compression and staleness on an emulated WAN, side by side in one run.
 
-    sudo python benchmarks/slow_links.py [--configs none/0,fp16/0,int8/0,adaptive/0,adaptive:1/0,adaptive/1] [--steps 10]
-                                         [--quick] [--out results/slow_links.json] [--workdir DIR]
+    sudo python benchmarks/slow_links.py [--configs none/0,fp16/0,int8/0,adaptive/0,adaptive:1/0,adaptive/1]
+                                         [--steps 10] [--quick] [--out results/slow_links.json] [--workdir DIR]
 
 A testbed (``swarm.testbed``, root needed) of 5 hosts: h0 the bootstrap peer, h1/h2/h3 three stage peers in chain
 topology (blocks 0:1, 1:2, 2:3), h4 the trainer (benchmarks/slow_links_worker.py). The matrix ``one_slow_link``:

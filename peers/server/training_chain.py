@@ -101,6 +101,7 @@ class TrainChain:
                  links: LinkTable | None = None) -> None:
         self.rpc, self.stream_for, self.timeout, self.links = rpc, stream_for, timeout, links
         self.compression = RunCompression(links=links)  # how we send the run's tensors
+        self._phase_s: dict[bool, float] = {}  # backward? -> seconds of this stage's last compute of that phase
         self._patterns: dict[str, torch.Tensor] = {}  # micro_id -> flat indices of its top-k'd input
         self.inbox = Inbox()
         self.upstream: frozenset[str] = frozenset()  # previous stage's replicas: push us inputs
@@ -228,8 +229,11 @@ class TrainChain:
         receiver = request.downstream or trainer
         pattern = self._patterns.pop(request.micro_id, None) if backward else None
         chosen = Codec.parse(request.reply_codec) if request.reply_codec and not request.downstream else None
+        # each direction of a link carries one tensor per micro-batch, while the stage computes that micro-batch's
+        # forward and backward: the transfer hides under both (the last of each measured so far)
+        self._phase_s[backward] = compute_ms / 1e3
         payload, arrived = self.compression.send(receiver, BACKWARD if backward else FORWARD, output,
-                                                 compute_s=compute_ms / 1e3, indices=pattern, codec=chosen)
+                                                 compute_s=sum(self._phase_s.values()), indices=pattern, codec=chosen)
         self._keep(request, tensor, arrived, backward)
         if not request.downstream:
             return payload, compute_ms

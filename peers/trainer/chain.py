@@ -163,8 +163,7 @@ async def micro_batch(trainer: Any, run: StepRun, input_ids: torch.Tensor, index
     forwards[last] = dataclasses.replace(forwards[last], reply_codec=sending.reply_codec(route[last], FORWARD, hidden))
     replies = await run_phase(trainer, route, forwards, [payload, *([None] * last)])
     output, pattern = replies[last][1], replies[last][2]
-    sending.note_compute(route[0], FORWARD, replies[0][0].compute_ms / 1e3)
-    sending.note_compute(route[last], "reply-" + FORWARD, replies[last][0].compute_ms / 1e3)
+    forward_s = [reply.compute_ms / 1e3 for reply, *_ in replies]
     if output is None:
         raise RequestError(f"the last stage's forward reply carries no output (micro-batch {micro_id})")
     for k, (reply, *_) in enumerate(replies):
@@ -189,8 +188,13 @@ async def micro_batch(trainer: Any, run: StepRun, input_ids: torch.Tensor, index
     backwards = list(backward_messages(trainer.run_id, micro_id, route, scales))
     backwards[0] = dataclasses.replace(backwards[0], reply_codec=sending.reply_codec(route[0], BACKWARD, hidden))
     replies = await run_phase(trainer, route, backwards, [*([None] * last), payload], submitted)
-    sending.note_compute(route[last], BACKWARD, replies[last][0].compute_ms / 1e3)
-    sending.note_compute(route[0], "reply-" + BACKWARD, replies[0][0].compute_ms / 1e3)
+    # each direction of a link carries one tensor per micro-batch while its stage computes the micro-batch's forward
+    # and backward: what our next sends to (and the stages' replies from) the end stages hide under
+    first_s, last_s = forward_s[0] + replies[0][0].compute_ms / 1e3, forward_s[last] + replies[last][0].compute_ms / 1e3
+    for peer, seconds, directions in ((route[0], first_s, (FORWARD, "reply-" + BACKWARD)),
+                                      (route[last], last_s, (BACKWARD, "reply-" + FORWARD))):
+        for direction in directions:
+            sending.note_compute(peer, direction, seconds)
     grad_input = replies[0][1]
     if grad_input is None:
         raise RequestError(f"the first stage's backward reply carries no grad (micro-batch {micro_id})")
