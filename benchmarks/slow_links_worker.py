@@ -22,12 +22,14 @@ from pathlib import Path
 
 import torch
 
-from peers.client.swarm_client import SwarmClient
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train import open_run  # noqa: E402
+
+from peers.client.swarm_client import SwarmClient  # noqa: E402
 from peers.core.config import ClientConfig, SwarmConfig
 from peers.trainer.state import save_trainer_state, trainer_checkpoint_path
 from peers.trainer.swarm_trainer import StepResult, SwarmTrainer
 from peers.training import OptimConfig, TokenBatches, TrainConfig, encode_bytes, read_corpus
-from peers.wire.errors import RequestError
 
 DEFAULTS = {"compression": "none", "staleness": 0}  # today's behaviour: a run that sets these needs no option
 
@@ -46,19 +48,6 @@ def run_options(compression: str, staleness: int) -> tuple[dict, str | None]:
                 "neither TrainConfig nor SwarmTrainer has it yet"
             return {}, f"{name}={value!r} is not available in this checkout ({where})"
     return options, None
-
-
-def open_run(trainer: SwarmTrainer, timeout: float = 60.0) -> None:
-    """``trainer.start()``, waiting while a stage still holds the previous run's trainer (its stream is closing)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            trainer.start()
-            return
-        except RequestError as e:
-            if "another trainer" not in str(e) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
 
 
 def run_steps(trainer: SwarmTrainer, batches: TokenBatches, steps: int, accumulation: int
