@@ -36,6 +36,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from report import report  # noqa: E402
 from train import write_initial_state  # noqa: E402
 
 from peers.cli.launch import LocalSwarm  # noqa: E402
@@ -176,11 +177,7 @@ def main() -> None:
     result.update(summarise(worker_result, topologies))
     result["worker"] = worker_result
     result["seconds"] = round(time.perf_counter() - t0, 1)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if not args.quick:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    report(result, args.out, write=not args.quick)
 
 
 if __name__ == "__main__":

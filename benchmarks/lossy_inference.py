@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import platform
 import sys
 import tempfile
@@ -30,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+from report import report
 
 from peers.cli.launch import LocalSwarm
 from peers.client.swarm_client import SwarmClient
@@ -119,18 +119,15 @@ def main() -> int:
                 client.wait_for_records(len(SPANS))
                 measure(client, "none", forward_ids, prompts[:1], 2, None)  # warm-up: streams, handshakes
                 exact = measure(client, "none", forward_ids, prompts, args.new, None)
-                report = {"none": {
+                figures = {"none": {
                     "logits_equal_one_process": bool(torch.equal(exact["logits"], local_logits.float())),
                     "tokens_equal_one_process": exact["tokens"] == local_tokens,
                     "link_bytes_per_generation": round(exact["link_bytes_per_generation"]),
                 }}
                 for codec in codecs:
-                    report[codec] = measure(client, codec, forward_ids, prompts, args.new, exact)["report"]
-                results["topologies"][topology] = report
-    text = json.dumps(results, indent=2)
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
+                    figures[codec] = measure(client, codec, forward_ids, prompts, args.new, exact)["report"]
+                results["topologies"][topology] = figures
+    report(results, args.out)
     return 0
 
 

@@ -61,6 +61,7 @@ sys.path.insert(0, str(HERE))
 
 import estimator_calibration as calibration  # noqa: E402
 from estimator import OnTestbed, links_of  # noqa: E402
+from report import report  # noqa: E402
 from rich.console import Console  # noqa: E402
 from train import write_initial_state  # noqa: E402
 
@@ -453,11 +454,7 @@ def main() -> None:
                                               workdir / name)
     result["nothing_left"] = all(m["nothing_left"] for m in result["matrices"].values())
     result["seconds"] = round(time.perf_counter() - t0, 1)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if not args.quick:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    report(result, args.out, write=not args.quick)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ from safetensors.torch import load_file
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from report import report  # noqa: E402
 from train import write_initial_state  # noqa: E402
 
 from peers.cli.launch import LocalSwarm  # noqa: E402
@@ -320,11 +321,7 @@ def main() -> None:
     result.update(summarise(runs))
     result["runs"] = runs
     result["seconds"] = round(time.perf_counter() - t0, 1)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if not args.quick:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    report(result, args.out, write=not args.quick)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import os
 import platform
 import statistics
@@ -39,6 +38,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+from report import report
 from rich.progress import Progress
 
 from peers.cli.launch import LocalSwarm
@@ -323,11 +323,7 @@ def main() -> None:
         result["warning"] = (f"the two one-process runs differ ({first:.0f} vs {last:.0f} tokens/s): the machine was "
                              f"busy (a {threads}-thread process slows down many-fold when another process takes a "
                              "core); rerun on a quiet machine")
-    text = json.dumps(result, indent=2)
-    print(text)
-    if not args.quick:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    report(result, args.out, write=not args.quick)
 
 
 if __name__ == "__main__":
