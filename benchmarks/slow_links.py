@@ -68,7 +68,7 @@ from peers.cli.launch import LocalSwarm  # noqa: E402
 from peers.model import LocalModel, make_tiny_model  # noqa: E402
 from peers.trainer.state import trainer_checkpoint_path  # noqa: E402
 from peers.training import OptimConfig, TokenBatches, encode_bytes, loss_of, read_corpus  # noqa: E402
-from peers.training.state import WEIGHTS_FILE, read_state_info  # noqa: E402
+from peers.training.state import WEIGHTS_FILE, read_state_info, stage_checkpoint_path  # noqa: E402
 from swarm.testbed import MBIT, Testbed, require_root  # noqa: E402
 from swarm.testbed.cleanup import leftovers, nothing_left  # noqa: E402
 from swarm.testbed.matrices import Matrix  # noqa: E402
@@ -159,7 +159,8 @@ def final_model(model_dir: Path, checkpoint_dir: Path, run: str, spans: list[tup
             part, _, rest = name.partition(".")
             own[part].get_parameter(rest).copy_(tensor)
         for start, end in spans:
-            for name, tensor in load_file(str(checkpoint_dir / run / f"blocks-{start}-{end}" / WEIGHTS_FILE)).items():
+            saved = load_file(str(stage_checkpoint_path(checkpoint_dir, run, start, end) / WEIGHTS_FILE))
+            for name, tensor in saved.items():
                 index, _, rest = name.partition(".")
                 model.blocks.get_parameter(f"{start + int(index)}.{rest}").copy_(tensor)
     return model.eval()
@@ -175,7 +176,7 @@ def held_out_loss(model: LocalModel, windows: torch.Tensor, rows: int = 8) -> fl
 
 
 def stage_steps(checkpoint_dir: Path, run: str, spans: list[tuple[int, int]]) -> list[int]:
-    return [int(read_state_info(checkpoint_dir / run / f"blocks-{a}-{b}")["step"]) for a, b in spans]
+    return [int(read_state_info(stage_checkpoint_path(checkpoint_dir, run, a, b))["step"]) for a, b in spans]
 
 
 def compute_vs_transfer(run: dict, setup: Setup, hidden: int) -> dict:

@@ -48,7 +48,7 @@ from peers.model import make_tiny_model
 from peers.model.checkpoint import load_blocks
 from peers.trainer.swarm_trainer import StepResult, SwarmTrainer
 from peers.training import LocalTrainer, OptimConfig, PartOptimizer, TokenBatches, encode_bytes, read_corpus
-from peers.training.state import save_stage_state
+from peers.training.state import save_stage_state, stage_checkpoint_path
 from peers.wire.errors import RequestError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -109,7 +109,7 @@ def write_initial_state(model_dir: Path, checkpoint_dir: Path, run_id: str, span
     for start, end in spans:
         blocks = load_blocks(model_dir, start, end)
         meta = {"kind": "stage", "start": start, "end": end, "optim": optim.to_dict()}
-        save_stage_state(checkpoint_dir / run_id / f"blocks-{start}-{end}", blocks,
+        save_stage_state(stage_checkpoint_path(checkpoint_dir, run_id, start, end), blocks,
                          PartOptimizer(blocks.parameters(), optim).optimizer, 0, meta)
 
 

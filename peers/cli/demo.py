@@ -124,12 +124,12 @@ def _trained_local_model(client, trainer, checkpoints: Path):
     from safetensors.torch import load_file
 
     from peers.model import LocalModel, load_blocks
-    from peers.training.state import read_state_info
+    from peers.training.state import read_state_info, stage_checkpoint_path
 
     n = client.model_config.num_layers
     blocks, state = load_blocks(client.model_dir, 0, n), {}
     for stage in trainer.stages:
-        folder = checkpoints / trainer.run_id / f"blocks-{stage.start}-{stage.end}"
+        folder = stage_checkpoint_path(checkpoints, trainer.run_id, stage.start, stage.end)
         step = read_state_info(folder)["step"]
         if step != trainer.steps_done:
             raise RuntimeError(f"peer of blocks {stage.start}:{stage.end} saved step {step}, not {trainer.steps_done}")

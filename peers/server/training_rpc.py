@@ -24,13 +24,12 @@ import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from peers.core.finite import all_finite
-from peers.core.ids import safe_name
 from peers.core.trainers import TrainerPolicy
 from peers.model.blocks import StageBlocks
 from peers.server.averaging import ReplicaAverager, StreamFor, round_at
 from peers.server.training_chain import MAX_SCALE, TrainChain
 from peers.training import GradientError, OptimConfig, StageTrainer
-from peers.training.state import read_state_info
+from peers.training.state import read_state_info, stage_checkpoint_path
 from peers.wire.errors import MovedError, RequestError
 from peers.wire.messages import (
     ParamsFetch,
@@ -392,8 +391,7 @@ class TrainingRPC:
     def _checkpoint_path(self) -> Path | None:
         if self.checkpoint_dir is None:
             return None
-        safe_run = safe_name(self.run_id)
-        return Path(self.checkpoint_dir) / safe_run / f"blocks-{self.info.start}-{self.info.end}"
+        return stage_checkpoint_path(self.checkpoint_dir, self.run_id, self.info.start, self.info.end)
 
     async def _fetch(self, peer_id: str, timeout: float) -> tuple[int, torch.Tensor]:
         """A replica's step and current flat parameters (``ParamsFetch``)."""

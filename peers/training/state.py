@@ -21,7 +21,15 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from peers.core.ids import safe_name
+
 WEIGHTS_FILE = "weights.safetensors"
+
+
+def stage_checkpoint_path(checkpoint_dir: str | Path, run_id: str, start: int, end: int) -> Path:
+    """``checkpoint_dir/<run id made safe for a file name>/blocks-START-END``: where a peer saves (and resumes) its
+    span of a run; the trainer's part goes next to it (``peers.trainer.state.trainer_checkpoint_path``)."""
+    return Path(checkpoint_dir) / safe_name(run_id) / f"blocks-{start}-{end}"
 OPTIMIZER_FILE = "optimizer.safetensors"
 STATE_FILE = "state.json"
 FORMAT = 1

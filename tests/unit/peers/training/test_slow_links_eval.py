@@ -17,7 +17,7 @@ from peers.model.checkpoint import load_blocks, load_client_parts
 from peers.model.config import ModelConfig
 from peers.trainer.state import trainer_checkpoint_path
 from peers.training import loss_of
-from peers.training.state import save_stage_state
+from peers.training.state import save_stage_state, stage_checkpoint_path
 
 _PATH = Path(__file__).resolve().parents[4] / "benchmarks" / "slow_links.py"
 _spec = importlib.util.spec_from_file_location("slow_links", _PATH)
@@ -38,13 +38,13 @@ def test_final_model_puts_each_part_where_it_belongs(tmp_path):
     model_dir = make_tiny_model(tmp_path / "m", hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
                                 intermediate_size=64)
     gen = torch.Generator().manual_seed(1)
-    checkpoints, run = tmp_path / "ckpt", "slow-none-s0"
+    checkpoints, run = tmp_path / "ckpt", slow_links.run_id("adaptive:1", 0)  # ":" is not kept in file names
     trained = []
     for start, end in SPANS:  # each stage "trained": its own changes, saved as a stage saves them
         blocks = load_blocks(model_dir, start, end)
         _perturb(blocks, gen)
-        save_stage_state(checkpoints / run / f"blocks-{start}-{end}", blocks, torch.optim.AdamW(blocks.parameters()),
-                         3, {"kind": "stage", "start": start, "end": end})
+        save_stage_state(stage_checkpoint_path(checkpoints, run, start, end), blocks,
+                         torch.optim.AdamW(blocks.parameters()), 3, {"kind": "stage", "start": start, "end": end})
         trained += list(blocks)
     embedding, head = load_client_parts(model_dir)
     part = nn.ModuleDict({"embedding": embedding, "head": head})
