@@ -136,7 +136,8 @@ class StreamHandler(StreamCalls):
                 await out.send(encode(RPCError(message=refusal), ERROR))
             return out.close()
         self.open_streams[caller] = self.open_streams.get(caller, 0) + 1
-        requests = IncomingFrames(reader, runtime_pb2.ExpertRequest, name=f"stream from {short_id(caller)}")
+        requests = IncomingFrames(reader, runtime_pb2.ExpertRequest, name=f"stream from {short_id(caller)}",
+                                  peer=caller)
         stream = StreamState(admitted=not self.admission.required)
         heartbeat = asyncio.create_task(self._heartbeat(stream, requests, out))
         replies: asyncio.Queue = asyncio.Queue(maxsize=MAX_REPLIES_QUEUED)  # in request order; bounded: backpressure

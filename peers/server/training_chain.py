@@ -11,11 +11,16 @@ a push that fails replies an error naming that peer (``failed_peer``), so the tr
 Pushes are taken only from the peers the trainer's ``TrainOpen`` named as the run's adjacent stages (``upstream``
 for forwards, ``downstream`` for backwards), and a request only takes a push from its own route neighbour.
 
-Order: a stage computes its chained requests in the order they came on the trainer's stream (each waits for the one
-before it, ``_Turns``), whatever order their pushes arrive in. The trainer sends each phase to every stage at once,
-so all stages see the phases in one global order: the earliest unfinished phase is first in line everywhere and
-can always go on (no deadlock), and gradients are summed in the order the trainer sent the backwards (the same on
-every run: losses and weights equal one process, and a replay knows the order).
+Order: a stage computes its chained forwards in the order they came on the trainer's stream, and its chained
+backwards in theirs (each waits for the one of its direction before it, ``_Turns``), whatever order their pushes
+arrive in; a forward does not wait for a backward nor the other way round. The trainer sends each phase to every
+stage at once, so all stages see each direction's phases in one global order: the earliest unfinished forward (and
+backward) is first in line everywhere and can always go on (no deadlock: a backward's grad exists only once its
+forward ran here), and gradients are summed in the order the trainer sent the backwards (the same on every run:
+losses and weights equal one process, and a replay knows the order). Forwards change no gradient and name the
+weights they use (``at_step``), so letting them pass backwards changes no result; it keeps both directions of a
+slow link busy: with one order for both, a forward waited for the grad of an earlier micro-batch to cross the link
+the other way, and the link carried one direction at a time.
 
 Re-opening the run, or its trainer's stream closing, fails every pending wait at once (``reset``).
 
@@ -107,7 +112,7 @@ class TrainChain:
         self.upstream: frozenset[str] = frozenset()  # previous stage's replicas: push us inputs
         self.downstream: frozenset[str] = frozenset()  # next stage's replicas: push us grads
         self.generation = 0  # bumped on every re-open and when the owner leaves: older requests stop
-        self._turns = _Turns()
+        self._turns = {False: _Turns(), True: _Turns()}  # backward? -> the order of that direction's requests
         self._given_up: asyncio.Future | None = None  # done at the next reset: pushes under way stop
         self._step: dict[str, dict[str, torch.Tensor]] = {}  # micro_id -> KEPT -> tensor, this step
         self._applied: dict[str, dict[str, torch.Tensor]] = {}  # the same for the last step applied
@@ -204,7 +209,8 @@ class TrainChain:
         backward, generation = isinstance(request, TrainBackward), self.generation
         if tensor is not None and not backward:
             self._pattern(request.micro_id, indices)
-        previous, mine = self._turns.take()
+        turns = self._turns[backward]
+        previous, mine = turns.take()
         try:
             if tensor is None:
                 what = f"the {'grad' if backward else 'input'} of micro-batch {request.micro_id[:64]!r} from peer " \
@@ -215,7 +221,7 @@ class TrainChain:
                     if generation != self.generation:  # re-opened: the attempt was given up
                         raise
                     raise ChainError(str(e), request.upstream) from None  # the upstream died or hangs
-            await self._turns.wait(previous)
+            await turns.wait(previous)
             self._check_generation(generation)
             started = time.perf_counter()
             if isinstance(request, TrainBackward):  # (``backward`` applies the request's scale)
@@ -224,7 +230,7 @@ class TrainChain:
                 output = await self.rpc.forward(request, tensor, stream)
             compute_ms = max(1e-3, 1e3 * (time.perf_counter() - started))
         finally:
-            self._turns.release(previous, mine)
+            turns.release(previous, mine)
         self._check_generation(generation)
         receiver = request.downstream or trainer
         pattern = self._patterns.pop(request.micro_id, None) if backward else None

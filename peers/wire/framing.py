@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -23,6 +24,7 @@ from google.protobuf.message import DecodeError, Message
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from peers.core.aio import deadline
+from peers.wire import activity
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +32,7 @@ MESSAGE, ERROR = b"\x00", b"\x01"
 HEADER_BYTES = 8
 MAX_FRAME_BYTES = (1 << 20) + (256 << 10)  # our chunks: 1 MiB of tensor plus at most 64 KiB of metadata
 BODY_GRACE, BODY_MIN_RATE = 10.0, 32 << 10  # a frame's body must arrive within 10 s + its size at 32 KiB/s
+PIECE_BYTES = 64 << 10  # a long frame's body is read in pieces of this size, each a sign of life of the sender
 
 P = TypeVar("P", bound=Message)
 
@@ -38,12 +41,14 @@ class FrameError(ValueError):
     """The stream broke the framing (unknown marker, oversized or undecodable frame); it cannot be resynced."""
 
 
-async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES) -> tuple[bytes, bytes] | None:
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES,
+                     progress: Callable[[], None] | None = None) -> tuple[bytes, bytes] | None:
     """The next ``(marker, payload)``, or None at a clean end of stream (EOF between frames).
 
     Raises ``FrameError`` for an unknown marker, a declared length above ``max_bytes`` (before reading the
     payload) or a body slower than ``BODY_MIN_RATE`` after ``BODY_GRACE`` seconds (so that a sender cannot pin an
     unfinished frame's memory for long), and ``asyncio.IncompleteReadError`` if the stream ends inside a frame.
+    ``progress`` is called as parts of the body arrive (every ``PIECE_BYTES``): the sender is alive.
     """
     marker = await reader.read(1)
     if not marker:
@@ -56,7 +61,13 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BY
     seconds = BODY_GRACE + length / BODY_MIN_RATE
     try:
         async with deadline(seconds):
-            return marker, await reader.readexactly(length)
+            if progress is None or length <= PIECE_BYTES:
+                return marker, await reader.readexactly(length)
+            pieces = []
+            for offset in range(0, length, PIECE_BYTES):
+                pieces.append(await reader.readexactly(min(PIECE_BYTES, length - offset)))
+                progress()
+            return marker, b"".join(pieces)
     except asyncio.TimeoutError:
         raise FrameError(f"a frame of {length} bytes did not arrive within {seconds:.0f} s") from None
 
@@ -116,10 +127,10 @@ class IncomingFrames(Generic[P]):
     """
 
     def __init__(self, reader: asyncio.StreamReader, cls: type[P], *, max_queued: int = 8,
-                 max_frame_bytes: int = MAX_FRAME_BYTES, name: str = "stream") -> None:
-        self.cls, self.name, self.max_frame_bytes = cls, name, max_frame_bytes
+                 max_frame_bytes: int = MAX_FRAME_BYTES, name: str = "stream", peer: str = "") -> None:
+        self.cls, self.name, self.max_frame_bytes, self.peer = cls, name, max_frame_bytes, peer
         self.end: StreamEnd | None = None
-        self.last_frame = 0.0  # loop time the last frame arrived
+        self.last_frame = 0.0  # loop time the last frame (or a piece of a long one) arrived
         self._queue: asyncio.Queue = asyncio.Queue(max_queued)
         self._task = asyncio.create_task(self._pump(reader))
 
@@ -148,15 +159,19 @@ class IncomingFrames(Generic[P]):
     def close(self) -> None:
         self._task.cancel()
 
+    def _alive(self) -> None:
+        self.last_frame = asyncio.get_running_loop().time()
+        activity.heard(self.peer, self.last_frame)
+
     async def _pump(self, reader: asyncio.StreamReader) -> None:
         try:
             while True:
-                frame = await read_frame(reader, self.max_frame_bytes)
+                frame = await read_frame(reader, self.max_frame_bytes, self._alive)
                 if frame is None:
                     self.end = StreamEnd()
                     break
                 marker, payload = frame
-                self.last_frame = asyncio.get_running_loop().time()
+                self._alive()
                 if marker == ERROR:  # hivemind's end-of-stream is an empty error; anything else is the peer's error
                     self.end = StreamEnd(parse_error(payload))
                     break

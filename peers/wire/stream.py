@@ -20,6 +20,7 @@ import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
+from peers.wire import activity
 from peers.wire.errors import RequestError, refusal_or_failure
 from peers.wire.framing import FrameWriter, IncomingFrames, encode, end_of_stream
 from peers.wire.messages import (
@@ -168,7 +169,7 @@ class PeerStream:
 
     def _start(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._replies = IncomingFrames(reader, runtime_pb2.ExpertResponse, max_queued=64,
-                                       name=f"stream to peer {short_id(self.peer_id)}")
+                                       name=f"stream to peer {short_id(self.peer_id)}", peer=self.peer_id)
         self._out = FrameWriter(writer)  # closed when the reader ends: the end-of-stream frame is only a half-close
         self._writer = asyncio.create_task(self._write(self._out))
         self._reader = asyncio.create_task(self._read(self._frames()))
@@ -410,6 +411,9 @@ class PeerStream:
             while (message := await self._outbox.get()) is not None:
                 self.bytes_sent += message.ByteSize()
                 await out.send(encode(message))
+                # the peer cannot answer what it has not got: silence counts from our last write (a request
+                # queued behind our own bulk data is not the peer's delay)
+                self._idle_until = asyncio.get_running_loop().time()
             await out.send(end_of_stream())
         except (ConnectionError, OSError) as e:
             self.shutdown(ConnectionError(f"stream to peer {short_id(self.peer_id)} broke while sending: {e!r}"))
@@ -432,7 +436,7 @@ class PeerStream:
             await asyncio.sleep(limit / 4)
             if loop.time() - before > limit / 2:  # our own loop was blocked: frames may be waiting unread
                 continue
-            heard = max(self._replies.last_frame, self._idle_until)
+            heard = max(self._replies.last_frame, self._idle_until, activity.last_heard(self.peer_id))
             if self._waiting and loop.time() - heard > limit:
                 self.shutdown(ConnectionError(
                     f"peer {short_id(self.peer_id)} sent nothing for {loop.time() - heard:.1f} s (no reply, no "

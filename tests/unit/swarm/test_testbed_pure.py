@@ -7,7 +7,7 @@ import pytest
 from swarm.testbed.__main__ import parser
 from swarm.testbed.matrices import GBIT, MATRICES, MBIT, Matrix, rate_classes, resolve_matrix
 from swarm.testbed.nat import nat_ruleset
-from swarm.testbed.shaping import UNSHAPED, download_commands, leaf_minor, tc_rate, upload_commands
+from swarm.testbed.shaping import UNSHAPED, download_commands, leaf_minor, leaf_queue, tc_rate, upload_commands
 
 INF = float("inf")
 
@@ -82,12 +82,14 @@ def test_upload_commands_shape_each_destination_under_the_upload():
     assert text[0] == "tc qdisc add dev eth0 root handle 1: htb default fffe"
     assert "classid 1:1 htb rate 10000000bit ceil 10000000bit" in text[1]
     assert "classid 1:fffe htb rate 10000000bit" in text[2]  # unclassified traffic: the upload rate
+    assert text[3] == "tc qdisc add dev eth0 parent 1:fffe bfifo limit 134100"  # 2 x 64 KiB + 2 frames > 50 ms
     # sorted by address (10.1.0.2 before 10.1.0.10); a pair above the upload is capped at the upload
-    assert "parent 1:1 classid 1:10 htb rate 8000000bit ceil 8000000bit" in text[3]
-    assert text[4].endswith("u32 match ip dst 10.1.0.2/32 flowid 1:10")
-    assert "classid 1:11 htb rate 10000000bit ceil 10000000bit" in text[5]
-    assert text[6].endswith("u32 match ip dst 10.1.0.10/32 flowid 1:11")
-    assert len(cmds) == 7
+    assert "parent 1:1 classid 1:10 htb rate 8000000bit ceil 8000000bit" in text[4]
+    assert text[5] == "tc qdisc add dev eth0 parent 1:10 bfifo limit 134100"
+    assert text[6].endswith("u32 match ip dst 10.1.0.2/32 flowid 1:10")
+    assert "classid 1:11 htb rate 10000000bit ceil 10000000bit" in text[7]
+    assert text[9].endswith("u32 match ip dst 10.1.0.10/32 flowid 1:11")
+    assert len(cmds) == 10
 
 
 @pytest.mark.parametrize("up, pairs, first_rate, burst", [
@@ -113,6 +115,19 @@ def test_download_commands():
     cmds = download_commands("h3", 50 * MBIT)
     assert " ".join(cmds[0]) == "tc qdisc add dev h3 root handle 1: htb default 1"
     assert "classid 1:1 htb rate 50000000bit ceil 50000000bit" in " ".join(cmds[1])
+    assert " ".join(cmds[2]) == "tc qdisc add dev h3 parent 1:1 bfifo limit 312500"  # 50 ms at 50 Mbit/s
+
+
+@pytest.mark.parametrize("rate, limit", [
+    (8 * MBIT, 2 * 65536 + 2 * 1514),  # 50 ms would be 50 kB: less than two offloaded 64 KiB packets
+    (100 * MBIT, 625_000),             # 50 ms of traffic
+    (10 * GBIT, 1000 * 1514),          # capped at the device's own queue (1,000 frames)
+    (UNSHAPED, 1000 * 1514),
+])
+def test_leaf_queues_hold_50_ms_within_bounds(rate, limit):
+    argv = leaf_queue("eth0", "1:10", rate)
+    assert argv[:7] == ["tc", "qdisc", "add", "dev", "eth0", "parent", "1:10"] and argv[7:] == ["bfifo", "limit",
+                                                                                               str(limit)]
 
 
 @pytest.mark.parametrize("index, minor", [(0, 16), (5, 21), (1000, 1016)])

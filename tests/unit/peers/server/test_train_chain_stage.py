@@ -223,3 +223,31 @@ def test_a_re_open_stops_a_push_to_a_peer_that_does_not_answer(model_dir):
             await asyncio.wait_for(pushing, 1.0)
 
     asyncio.run(scenario())
+
+
+def test_a_forward_does_not_wait_for_the_grad_of_an_earlier_backward(model_dir):
+    """Forwards and backwards keep an order each, not one between them: a slow link's two directions both stay
+    busy (with one order a forward waited until an earlier micro-batch's grad had crossed the other way)."""
+    rpcs, ta, tb = _pair(model_dir), object(), object()
+    hidden, grad = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
+
+    async def scenario():
+        await _open(rpcs[A], ta, downstream=[B])
+        await _open(rpcs[B], tb, upstream=[A])
+        b_first = asyncio.ensure_future(rpcs[B].chain.run(TrainForward(run_id="run", micro_id="m0", upstream=A),
+                                                         None, tb))
+        await rpcs[A].chain.run(TrainForward(run_id="run", micro_id="m0", downstream=B), hidden, ta)
+        await b_first
+        backward = asyncio.ensure_future(rpcs[A].chain.run(TrainBackward(run_id="run", micro_id="m0", upstream=B),
+                                                          None, ta))  # its grad has not come from B yet
+        b_second = asyncio.ensure_future(rpcs[B].chain.run(TrainForward(run_id="run", micro_id="m1", upstream=A),
+                                                          None, tb))
+        pushed, _ = await asyncio.wait_for(
+            rpcs[A].chain.run(TrainForward(run_id="run", micro_id="m1", downstream=B), hidden * 2, ta), 5.0)
+        assert pushed is None and not backward.done()  # m1's forward went by while m0's backward waits
+        await asyncio.wait_for(b_second, 5.0)
+        await rpcs[B].chain.run(TrainBackward(run_id="run", micro_id="m0", downstream=A), grad, tb)
+        grad_input, _ = await asyncio.wait_for(backward, 5.0)
+        assert grad_input.shape == hidden.shape
+
+    asyncio.run(scenario())

@@ -8,7 +8,17 @@ import pytest
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
-from peers.wire.framing import ERROR, MESSAGE, FrameError, IncomingFrames, encode, end_of_stream, read_frame
+from peers.wire import activity
+from peers.wire.framing import (
+    ERROR,
+    MESSAGE,
+    PIECE_BYTES,
+    FrameError,
+    IncomingFrames,
+    encode,
+    end_of_stream,
+    read_frame,
+)
 
 
 def _reader(data: bytes, eof: bool = True) -> asyncio.StreamReader:
@@ -126,3 +136,33 @@ def test_largest_legitimate_frame_fits_the_cap():
     metadata = b"m" * MAX_MESSAGE_BYTES
     frames = [encode(m) for m in tensor_messages(torch.randn(3, 1 << 19), metadata)]
     assert len(frames) > 1 and max(map(len, frames)) <= MAX_FRAME_BYTES
+
+
+def test_a_long_frame_is_a_sign_of_life_before_it_ends():
+    """While a long frame arrives, its sender counts as heard from (``peers.wire.activity``), on every stream of
+    this process: a reply stuck behind that peer's bulk data elsewhere does not make it look gone."""
+    peer = "12D3KooW" + "L" * 44
+    body = encode(runtime_pb2.ExpertRequest(metadata=b"x" * (3 * PIECE_BYTES)))
+
+    async def go():
+        reader = asyncio.StreamReader()
+        frames = IncomingFrames(reader, runtime_pb2.ExpertRequest, peer=peer)
+        reader.feed_data(body[: len(body) // 2])  # half of the frame: no message yet
+        await asyncio.sleep(0.05)
+        half = (activity.last_heard(peer), frames.last_frame, frames.queued)
+        reader.feed_data(body[len(body) // 2:])
+        message = await asyncio.wait_for(frames.get(), 5)
+        return half, len(message.metadata)
+
+    (heard, last, queued), size = asyncio.run(go())
+    assert heard > 0 and last == heard and queued == 0  # heard from, although no message has come yet
+    assert size == 3 * PIECE_BYTES
+
+
+def test_activity_forgets_the_oldest_peer_first(monkeypatch):
+    monkeypatch.setattr(activity, "MAX_PEERS", 3)
+    monkeypatch.setattr(activity, "_heard", {})
+    for k, peer in enumerate("abcd"):
+        activity.heard(peer, float(k + 1))
+    activity.heard("", 9.0)  # no peer id: nothing kept
+    assert [activity.last_heard(p) for p in "abcd"] == [0.0, 2.0, 3.0, 4.0]
