@@ -49,6 +49,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     config = TrainConfig.from_toml(args.config)
     run_id = args.run_id or default_run_id(args.config)
+    if args.out.exists() and any(args.out.iterdir()) and not args.force:
+        raise ValueError(f"{args.out} exists and is not empty: choose another --out or pass --force")
     if config.checkpoint_dir is None:
         raise ValueError(f"{args.config} has no checkpoint_dir, so the trainer never saved the run's embedding and "
                          "head: set checkpoint_dir in the config and train (the peers keep their blocks)")
