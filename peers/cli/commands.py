@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = SwarmParser(add_help=False)
     common.add_argument("-v", "--verbose", action="store_true", help="debug logs")
     parser = SwarmParser(prog="swarm", description="Serve and run LLMs on a peer-to-peer swarm.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

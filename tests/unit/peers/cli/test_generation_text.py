@@ -3,6 +3,7 @@ incomplete one at the end is shown with a warning; ``swarm train --steps`` past 
 
 from __future__ import annotations
 
+import io
 import logging
 
 import pytest
@@ -104,8 +105,6 @@ def test_auto_device_and_dtype_on_this_machine():
 
 
 def test_load_progress_draws_a_bar_on_a_terminal():
-    import io
-
     from rich.console import Console
 
     from peers.core.progress import load_progress
@@ -119,3 +118,30 @@ def test_load_progress_draws_a_bar_on_a_terminal():
     with load_progress(3, "Loading", Console(file=quiet, force_terminal=False)) as advance:
         advance()
     assert quiet.getvalue() == ""  # no terminal: the logs say it
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_log_line_never_lands_inside_the_text_on_a_terminal():
+    from peers.cli.output import LineBreakingHandler, TextOut
+
+    stdout, stderr = _Tty(), _Tty()
+    text = TextOut(stdout)
+    handler = LineBreakingHandler(logging.StreamHandler(stderr), stderr, text)
+    logger = logging.getLogger("peers.test_output")
+    logger.addHandler(handler)
+    try:
+        text.write("Once upon")
+        logger.warning("re-routing blocks 4:8")
+        text.write(" a time")
+    finally:
+        logger.removeHandler(handler)
+    assert stdout.getvalue() == "Once upon\n a time" and stderr.getvalue() == "re-routing blocks 4:8\n"
+    piped = TextOut(io.StringIO())  # stdout to a file or pipe: the text is never changed
+    piped.write("Once")
+    handler = LineBreakingHandler(logging.StreamHandler(stderr), stderr, piped)
+    handler.handle(logging.LogRecord("x", logging.WARNING, "", 0, "w", None, None))
+    assert piped.stream.getvalue() == "Once"
