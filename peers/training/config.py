@@ -221,7 +221,10 @@ class TrainConfig:
                 if kwargs.get(key) is not None and not kwargs[key].is_absolute():
                     kwargs[key] = (base_dir / kwargs[key]).resolve()
         if HUB_ID.fullmatch(str(d["model_dir"])) and not kwargs["model_dir"].exists():
-            kwargs["model_dir"] = resolve_model(str(d["model_dir"]))  # a hub id, from the local HF cache
+            try:  # a hub id in the local HF cache; else a folder still to be made (its loader says what is missing)
+                kwargs["model_dir"] = resolve_model(str(d["model_dir"]))
+            except ValueError:
+                pass
         optim = d.get("optim", {})
         if not isinstance(optim, dict):
             raise ValueError(f"TrainConfig: optim must be a table ([optim]), got {optim!r}")
