@@ -9,12 +9,17 @@ import signal
 import sys
 from pathlib import Path
 
+from peers.cli.export import add_export_command
 from peers.cli.membership import add_membership_commands
 from peers.cli.new_model import add_model_command
-from peers.cli.options import block_indices, swarm_config, swarm_flags
+from peers.cli.options import MODEL_HELP, block_indices, device_flags, model_name_flag, swarm_config, swarm_flags
+from peers.cli.output import TEXT, LineBreakingHandler
+from peers.cli.parsing import SwarmParser
 from peers.cli.train import add_train_command
 from peers.core.config import DEFAULT_CACHE_DIR, StageServerConfig
+from peers.core.devices import resolve_device
 from peers.core.trainers import FLAG_HELP, parse_trainers
+from peers.model.hub import HUB_ID, resolve_model
 
 logger = logging.getLogger("peers.cli")
 
@@ -26,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args) or 0
     except (ValueError, RuntimeError) as e:
+        TEXT.end_line()  # never on the generated text's line
         logger.error("%s", e)
         logger.debug("Details:", exc_info=True)
         return 2
@@ -34,13 +40,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = SwarmParser(add_help=False)
     common.add_argument("-v", "--verbose", action="store_true", help="debug logs")
-    parser = argparse.ArgumentParser(prog="swarm", description="Serve and run LLMs on a peer-to-peer swarm.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = SwarmParser(prog="swarm", description="Serve and run LLMs on a peer-to-peer swarm.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add = sub.add_parser
 
     def sub_add_parser(name: str, **kwargs) -> argparse.ArgumentParser:
+        kwargs.setdefault("description", kwargs.get("help"))
         return add(name, parents=[common], **kwargs)
 
     sub.add_parser = sub_add_parser  # every subcommand takes -v
@@ -50,11 +57,13 @@ def _parser() -> argparse.ArgumentParser:
     dht.set_defaults(func=_cmd_dht)
 
     peer = sub.add_parser("peer", help="host some blocks of a model and serve them to the swarm")
-    peer.add_argument("model_dir", type=Path, help="Hugging Face model folder (config.json, *.safetensors)")
+    peer.add_argument("model_dir", metavar="MODEL", help=MODEL_HELP)
     swarm_flags(peer, joining=True, role="peer")
     blocks = peer.add_mutually_exclusive_group(required=True)
-    blocks.add_argument("--block_indices", type=block_indices, help="serve blocks START:END, e.g. 0:4")
-    blocks.add_argument("--num_blocks", type=int, help="serve N blocks, where the swarm is weakest")
+    blocks.add_argument("--block_indices", type=block_indices,
+                        help="serve blocks START:END, e.g. 0:4 (required: this, --num_blocks or --backup)")
+    blocks.add_argument("--num_blocks", type=int,
+                        help="serve N blocks, where the swarm is weakest (required: this, --block_indices or --backup)")
     blocks.add_argument("--backup", action="store_true",
                         help="start as a backup: measure, join, probe links and announce BACKUP with no blocks loaded, "
                              "ready to take a place (`swarm move`, or the swarm's plan)")
@@ -67,20 +76,21 @@ def _parser() -> argparse.ArgumentParser:
                            "broker's plan; in a public one, plan for itself and move only itself (runs' plans are "
                            "followed anyway, per --trainers)")
     peer.add_argument("--control_socket", type=Path, default=None,
-                      help="a local unix socket (mode 0600) taking `move START:END` and `backup` lines (`swarm move`)")
-    peer.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+                      help="a local unix socket (mode 0600) taking `move START:END` and `backup` lines (`swarm move`) "
+                           "(default: none)")
+    device_flags(peer)
     peer.add_argument("--num_threads", type=int, default=None,
                       help="CPU threads for torch (default: torch's); use 1 when several peers share a CPU")
-    peer.add_argument("--torch_dtype", default="float32", choices=["float32", "float16", "bfloat16", "auto"])
     peer.add_argument("--public_name", default="", help="a name shown in `swarm status`")
-    peer.add_argument("--model_name", default=None, help="name of the model in the DHT (default: folder name)")
-    peer.add_argument("--max_batch_size", type=int, default=8, help="rows per request (default 8)")
+    model_name_flag(peer)
+    peer.add_argument("--max_batch_size", type=int, default=8, help="rows per request")
     peer.add_argument("--max_batch_tokens", type=int, default=2048,
                       help="tokens per batched forward: requests that arrive together are combined up to this")
     peer.add_argument("--max_request_bytes", type=int, default=64 << 20, help="larger requests are refused")
     peer.add_argument("--request_timeout", type=float, default=60.0, help="deadline of one RPC, seconds")
     peer.add_argument("--update_period", type=float, default=15.0, help="seconds between announcements")
-    peer.add_argument("--throughput", type=float, default=None, help="tokens/s per block; default: measure")
+    peer.add_argument("--throughput", type=float, default=None,
+                      help="tokens/s per block (default: measure once and cache in --cache_dir)")
     peer.add_argument("--cache_dir", type=Path, default=DEFAULT_CACHE_DIR, help="throughput cache folder")
     peer.add_argument("--cache_tokens", type=int, default=16384,
                       help="inference KV cache budget in tokens (batch rows x max_length, all sessions)")
@@ -88,53 +98,68 @@ def _parser() -> argparse.ArgumentParser:
                       help="seconds an idle or disconnected inference session keeps its cache")
     peer.add_argument("--client_cache_share", type=float, default=0.5,
                       help="fraction of --cache_tokens one client may always hold; beyond it, only while no "
-                           "other client waits for cache space (default 0.5)")
+                           "other client waits for cache space")
     peer.add_argument("--cache_wait", type=float, default=2.0,
                       help="seconds a session open that does not fit waits for space before it is refused")
     peer.add_argument("--allow_plaintext", action="store_true",
                       help="also serve inference streams that skip encryption (for benchmarks and debugging)")
-    peer.add_argument("--trainers", default=None, metavar="PEER_ID[,PEER_ID...]|members|anyone", help=FLAG_HELP)
+    peer.add_argument("--trainers", default=None, metavar="PEER_ID[,PEER_ID...]|members|anyone",
+                      help=FLAG_HELP + " (default: nobody)")
     peer.add_argument("--no_train", action="store_true",
                       help="no-op, kept for old scripts: a peer trains only with --trainers")
     peer.add_argument("--checkpoint_dir", type=Path, default=None,
-                      help="training: save our blocks' weights + AdamW state here, and resume from them")
+                      help="training: save our blocks' weights + AdamW state here, and resume from them (default: "
+                           "not saved)")
     peer.set_defaults(func=_cmd_peer)
 
     move = sub.add_parser("move", help="move a running peer on this machine to other blocks, or make it a backup "
                                        "(through its --control_socket)")
     move.add_argument("span", help="START:END to serve those blocks, `backup` to stop serving, `status` to ask")
-    move.add_argument("--control_socket", type=Path, required=True, help="the peer's --control_socket")
-    move.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the move (default 600)")
+    move.add_argument("--control_socket", type=Path, required=True, help="the peer's --control_socket (required)")
+    move.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the move")
     move.set_defaults(func=_cmd_move)
 
     status = sub.add_parser("status", help="who is online, which blocks they serve, what is missing")
-    status.add_argument("model", help="model folder or model name")
+    status.add_argument("model", help="model folder, Hugging Face hub id (org/name, from the local cache) or the "
+                                      "model's name in the swarm")
     swarm_flags(status, joining=True, new_swarm=False)
+    model_name_flag(status)
     status.set_defaults(func=_cmd_status)
 
     gen = sub.add_parser("generate", help="generate text through the swarm (token ids never leave this machine)")
-    gen.add_argument("model_dir", type=Path, help="the model folder (config.json, embeddings, head, tokenizer.json)")
+    gen.add_argument("model_dir", metavar="MODEL", help=MODEL_HELP + "; the embeddings, head and tokenizer.json run "
+                                                                      "here")
     swarm_flags(gen, joining=True, new_swarm=False)
-    gen.add_argument("--prompt", required=True, help="text to continue")
-    gen.add_argument("--max_new_tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=None, help="sample with this temperature (default: greedy)")
-    gen.add_argument("--top_k", type=int, default=None, help="sample among the k most likely tokens")
-    gen.add_argument("--top_p", type=float, default=None, help="sample from the smallest set reaching this mass")
-    gen.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    gen.add_argument("--prompt", required=True, help="text to continue (required)")
+    gen.add_argument("--max_new_tokens", type=int, default=32, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=None,
+                     help="sample with this temperature; 0 is greedy (default: greedy)")
+    gen.add_argument("--top_k", type=int, default=None, help="sample among the k most likely tokens (default: all)")
+    gen.add_argument("--top_p", type=float, default=None,
+                     help="sample from the smallest set reaching this mass (default: 1, all)")
+    gen.add_argument("--seed", type=int, default=None, help="makes sampling reproducible (default: random)")
     gen.add_argument("--request_timeout", type=float, default=30.0, help="seconds per step before re-routing")
     gen.add_argument("--local_blocks", type=int, default=0,
                      help="also run the first N blocks here, so peers never see the earliest activations")
     gen.add_argument("--topology", choices=("chain", "star"), default="chain",
-                     help="chain: each peer hands its output straight to the next one (default); star: every hidden "
+                     help="chain: each peer hands its output straight to the next one; star: every hidden "
                           "state goes through this machine")
     gen.add_argument("--compression", default="none",
-                     help="how hidden states travel: none (bit-exact, default), fp16, bf16, int8 or topk:F[/fp16|bf16|"
+                     help="how hidden states travel: none (bit-exact), fp16, bf16, int8 or topk:F[/fp16|bf16|"
                           "int8]; lossy codecs save bandwidth and may change tokens (benchmarks/lossy_inference.py)")
+    model_name_flag(gen)
+    device_flags(gen)
+    gen.add_argument("--checkpoint", type=Path, default=None, metavar="RUN_CHECKPOINT",
+                     help="a `swarm train` run's trainer checkpoint (CHECKPOINT_DIR/RUN_ID or its trainer/ folder): "
+                          "run its trained embedding and head here, with the blocks the run's peers serve now "
+                          "(default: the model folder's)")
     gen.set_defaults(func=_cmd_generate)
 
     add_membership_commands(sub)
     add_model_command(sub)
     add_train_command(sub)
+
+    add_export_command(sub)
 
     demo = sub.add_parser("demo", help="a whole swarm on this machine: bootstrap, 3 peers, a client")
     demo.add_argument("--workdir", type=Path, default=DEFAULT_CACHE_DIR / "demo", help="models and logs")
@@ -178,8 +203,8 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         raise ValueError("--no_train and --trainers contradict each other: drop --no_train (training is off "
                          "unless --trainers is given)")
     config = StageServerConfig(
-        model_dir=args.model_dir, swarm=swarm_config(args), model_name=args.model_name,
-        block_indices=args.block_indices, num_blocks=args.num_blocks, device=args.device,
+        model_dir=resolve_model(args.model_dir), swarm=swarm_config(args), model_name=args.model_name,
+        block_indices=args.block_indices, num_blocks=args.num_blocks, device=resolve_device(args.device),
         torch_dtype=args.torch_dtype, public_name=args.public_name, max_batch_size=args.max_batch_size,
         max_batch_tokens=args.max_batch_tokens, max_request_bytes=args.max_request_bytes,
         request_timeout=args.request_timeout, update_period=args.update_period, throughput=args.throughput,
@@ -219,16 +244,19 @@ def _cmd_status(args: argparse.Namespace) -> int:
     swarm = swarm_config(args)
     if not swarm.initial_peers:
         raise ValueError("pass --initial_peers: the line `swarm dht` printed")
-    model_path = Path(args.model)
-    total = None
-    if (model_path / "config.json").is_file():
+    name, total = args.model, None
+    try:
+        model_path: Path | None = resolve_model(args.model)
+    except ValueError:
+        model_path = None  # a name in the swarm (with no folder here)
+    if model_path is not None and (model_path / "config.json").is_file():
         from peers.model import ModelConfig
 
         config = ModelConfig.from_dir(model_path)
         name, total = config.name, config.num_layers
-
-    else:
-        name = args.model
+    elif HUB_ID.fullmatch(args.model) and not args.model_name:
+        resolve_model(args.model)  # raises: not cached, saying how to get it (or pass the swarm's name)
+    name = args.model_name or name
 
     from peers.core.access import load_admission, load_identity
 
@@ -260,16 +288,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if not swarm.initial_peers:
         raise ValueError("pass --initial_peers: the line `swarm dht` printed")
     sample = any(x is not None for x in (args.temperature, args.top_k, args.top_p))
-    sampling = SamplingConfig(do_sample=sample, temperature=args.temperature or 1.0, top_k=args.top_k,
-                              top_p=args.top_p, seed=args.seed)
+    sampling = SamplingConfig(do_sample=sample, temperature=1.0 if args.temperature is None else args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     config = ClientConfig(swarm=swarm, request_timeout=args.request_timeout, local_blocks=args.local_blocks,
-                          topology=args.topology, compression=args.compression)
-    with SwarmClient(args.model_dir, config=config) as client:
+                          topology=args.topology, compression=args.compression, model_name=args.model_name,
+                          device=args.device, torch_dtype=args.torch_dtype, checkpoint=args.checkpoint)
+    with SwarmClient(resolve_model(args.model_dir), config=config) as client:
         try:
             for piece in stream_text(client, args.prompt, args.max_new_tokens, sampling=sampling):
-                print(piece, end="", flush=True)
+                TEXT.write(piece)
         finally:
-            print(flush=True)  # end the text's line, also before an error's message
+            TEXT.write("\n")  # end the text's line, also before an error's message
     return 0
 
 
@@ -298,15 +327,19 @@ def _run_until_signal(run) -> None:
 
 
 def _setup_logging(verbose: bool) -> None:
+    """Logs go to stderr (rich on a terminal), never to stdout, where generated text goes (``peers.cli.output``)."""
     level = logging.DEBUG if verbose else logging.INFO
     if sys.stderr.isatty():
+        from rich.console import Console
         from rich.logging import RichHandler
 
-        handler: logging.Handler = RichHandler(show_path=False, log_time_format="%H:%M:%S")
-        handler.setFormatter(logging.Formatter("%(message)s"))
+        inner: logging.Handler = RichHandler(console=Console(stderr=True), show_path=False,
+                                             log_time_format="%H:%M:%S")
+        inner.setFormatter(logging.Formatter("%(message)s"))
     else:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+        inner = logging.StreamHandler(sys.stderr)
+        inner.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    handler = LineBreakingHandler(inner, sys.stderr)
     for name in ("peers", "swarm", "privacy"):
         lg = logging.getLogger(name)
         lg.handlers[:] = [handler]

@@ -33,16 +33,16 @@ def add_membership_commands(sub) -> None:
     ident.set_defaults(func=_cmd_identity)
 
     invite = sub.add_parser("invite", help="owner: certify a member and write its credentials file")
-    invite.add_argument("--owner_key", type=Path, required=True)
+    invite.add_argument("--owner_key", type=Path, required=True, help="the swarm's owner key (from `swarm keygen`)")
     invite.add_argument("--member_key", required=True,
                         help="the member's public key (hex, from `swarm identity`) or its identity file")
     invite.add_argument("--name", required=True, help="the member's name, shown in logs and used by revoke")
-    invite.add_argument("--days", type=float, default=30.0, help="validity in days (default 30)")
+    invite.add_argument("--days", type=float, default=30.0, help="validity in days")
     invite.add_argument("--out", type=Path, required=True, help="credentials file to hand to the member (0600)")
     invite.set_defaults(func=_cmd_invite)
 
     revoke = sub.add_parser("revoke", help="owner: revoke members' certificates and publish the revocation")
-    revoke.add_argument("--owner_key", type=Path, required=True)
+    revoke.add_argument("--owner_key", type=Path, required=True, help="the swarm's owner key (from `swarm keygen`)")
     revoke.add_argument("--name", nargs="*", default=[], help="revoke every certificate issued under these names")
     revoke.add_argument("--serial", nargs="*", default=[], help="revoke these certificate serials")
     revoke.add_argument("--out", type=Path, default=None,

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from peers.core.config import LOCAL_HOST_MADDRS, SwarmConfig, parse_block_indices
+from peers.core.ids import DTYPES
 
 
 def block_indices(text: str) -> tuple[int, int]:
@@ -15,6 +16,26 @@ def block_indices(text: str) -> tuple[int, int]:
         return parse_block_indices(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+MODEL_HELP = ("model folder (Hugging Face layout: config.json, *.safetensors, tokenizer.json) or hub id org/name, "
+              "found in the local Hugging Face cache (offline; `hf download org/name` fetches it)")
+
+
+def model_name_flag(parser: argparse.ArgumentParser) -> None:
+    """``--model_name``: the model's name in the swarm (its DHT key), for every command that names a model."""
+    parser.add_argument("--model_name", default=None,
+                        help="name of the model in the swarm (default: the folder's name; org--name for a hub id), "
+                             "e.g. the name the peers were started with")
+
+
+def device_flags(parser: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--torch_dtype``, ``auto`` by default as in Petals (``peers.core.devices``)."""
+    parser.add_argument("--device", default="auto",
+                        help="auto (cuda when a GPU is visible, else cpu), cpu, cuda, cuda:1, ...")
+    parser.add_argument("--torch_dtype", default="auto", choices=[*DTYPES, "auto"],
+                        help="auto: float32 on the CPU; on a GPU the checkpoint's dtype (half precision as bfloat16 "
+                             "where the GPU supports it)")
 
 
 # defaults of the NAT/relay flags per kind of command (see nat_flags)
@@ -45,11 +66,14 @@ def swarm_flags(parser: argparse.ArgumentParser, *, joining: bool, new_swarm: bo
         help="where to listen (default: loopback only); e.g. /ip4/0.0.0.0/tcp/31337 to accept other machines",
     )
     parser.add_argument("--announce_maddrs", nargs="+", default=[], help="public addresses to announce")
-    parser.add_argument("--identity_path", type=Path, default=None, help="key file that fixes this peer id")
+    parser.add_argument("--identity_path", type=Path, default=None,
+                        help="key file that fixes this peer id (default: a new peer id on every start)")
     parser.add_argument("--private", type=Path, default=None, metavar="CREDENTIALS",
-                        help="join a private swarm with these member credentials (from `swarm invite`)")
+                        help="join a private swarm with these member credentials (from `swarm invite`) (default: a "
+                             "public swarm)")
     parser.add_argument("--revocations", type=Path, default=None,
-                        help="a private swarm's revocation file from `swarm revoke` (members also spread it)")
+                        help="a private swarm's revocation file from `swarm revoke` (members also spread it) "
+                             "(default: none)")
     nat_flags(parser, role)
 
 

@@ -22,7 +22,7 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 
-from peers.cli.options import swarm_config, swarm_flags
+from peers.cli.options import model_name_flag, swarm_config, swarm_flags
 from peers.core.config import TOPOLOGIES
 from peers.core.ids import safe_name
 from peers.trainer.loop import StepFailed, stage_labels, train_loop
@@ -48,7 +48,10 @@ def add_train_command(sub) -> None:
     train = sub.add_parser("train", help="train a model on the swarm's stage peers (this process: embedding + head)")
     train.add_argument("config", type=Path, help="training config (TOML), e.g. examples/train_tiny.toml")
     swarm_flags(train, joining=True, new_swarm=False)
-    train.add_argument("--steps", type=int, default=None, help="train until this step (overrides the config)")
+    train.add_argument("--steps", type=int, default=None,
+                       help="train until this step (default: the config's steps); beyond the config's [optim] "
+                            "total_steps the lr stays at its floor: raise total_steps there to extend the schedule")
+    model_name_flag(train)
     train.add_argument("--run_id", default=None,
                        help="run name shared with the peers (default: the config file's name, so a rerun resumes)")
     train.add_argument("--eval_every", type=int, default=10, help="held-out loss every N steps (0: start and end)")
@@ -62,7 +65,7 @@ def add_train_command(sub) -> None:
                             "the first stage's input and the last one's output only); star: every hidden state and "
                             "gradient goes through this process")
     train.add_argument("--compression", default=None,
-                       help="how hidden states and grads travel between stages (overrides the config's): none "
+                       help="how hidden states and grads travel between stages (default: the config's): none "
                             "(bit-exact), fp16, bf16, int8, topk:FRACTION[/int8] or adaptive (per link: compressed "
                             "only as much as the link needs to keep up with the stages' compute)")
     train.add_argument("--staleness", type=int, choices=(0, 1), default=None,
@@ -74,6 +77,19 @@ def add_train_command(sub) -> None:
                             "(signed), wait for the peers that allow this trainer to move to it, and train on its "
                             "group nearest this process; a failed stage is re-planned around (a backup takes over)")
     train.set_defaults(func=_cmd_train)
+
+
+def steps_warning(config: TrainConfig, steps: int, config_path: str | Path) -> str:
+    """Why training until ``steps`` may not do what one expects ('' if it does): steps past the lr schedule's
+    ``total_steps`` all run at its floor lr."""
+    optim = config.optim
+    if not optim.total_steps or optim.schedule == "constant" or steps <= optim.total_steps:
+        return ""
+    floor = optim.lr * optim.min_lr_ratio
+    return (f"training until step {steps}, past the lr schedule's end (total_steps = {optim.total_steps} under "
+            f"[optim] in {config_path}): steps {optim.total_steps + 1}..{steps} all run at the floor lr {floor:g} "
+            f"(min_lr_ratio x lr). To extend the schedule, set total_steps = {steps} under [optim] in "
+            f"{config_path} (a resumed run follows the new schedule from its current step)")
 
 
 def default_run_id(config_path: str | Path) -> str:
@@ -148,12 +164,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
     swarm = swarm_config(args)
     if not swarm.initial_peers:
         raise ValueError("pass --initial_peers: the line `swarm dht` printed")
+    if warning := steps_warning(config, steps, args.config):
+        logger.warning("%s", warning)
     run_id = args.run_id or default_run_id(args.config)
     console = Console()
     batches = TokenBatches(token_ids(config.model_dir, read_corpus(config.data)), config.seq_len,
                            config.micro_batch, config.seed)
     held_out = batches.held_out_windows(args.eval_windows)
-    client_config = ClientConfig(swarm=swarm, model_name=config.model_name, request_timeout=args.request_timeout)
+    client_config = ClientConfig(swarm=swarm, model_name=args.model_name or config.model_name,
+                                 request_timeout=args.request_timeout)
     try:
         client = SwarmClient(config.model_dir, config=client_config)
     except (ValueError, RuntimeError):

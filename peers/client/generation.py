@@ -12,7 +12,7 @@ from peers.client.node import ClientNode
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingConfig:
-    """How the next token is chosen. ``do_sample=False`` is greedy decoding."""
+    """How the next token is chosen. ``do_sample=False`` or ``temperature=0`` is greedy decoding."""
 
     do_sample: bool = False
     temperature: float = 1.0
@@ -21,17 +21,22 @@ class SamplingConfig:
     seed: int | None = None  # makes sampling reproducible
 
     def __post_init__(self) -> None:
-        if self.temperature <= 0:
-            raise ValueError("temperature must be > 0 (use do_sample=False for greedy decoding)")
+        if not self.temperature >= 0:  # NaN fails too
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError("top_k must be >= 1")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
 
+    @property
+    def samples(self) -> bool:
+        """False for greedy decoding: ``do_sample=False``, or temperature 0 (the limit of sampling as it cools)."""
+        return self.do_sample and self.temperature > 0
+
 
 def next_tokens(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator | None = None) -> torch.Tensor:
     """The next token of each row of ``logits`` ``[batch, vocab]``."""
-    if not config.do_sample:
+    if not config.samples:
         return logits.argmax(-1)
     logits = logits.float() / config.temperature
     if config.top_k is not None and config.top_k < logits.shape[-1]:
@@ -68,7 +73,7 @@ async def generate_stream(
     if max_length > limit:
         raise ValueError(f"prompt + max_new_tokens = {max_length} exceeds the model's {limit} positions")
     generator = None
-    if sampling.do_sample and sampling.seed is not None:
+    if sampling.samples and sampling.seed is not None:
         generator = torch.Generator().manual_seed(sampling.seed)
     stops = torch.tensor(list(stop_tokens), dtype=torch.long)
     finished = torch.zeros(batch, dtype=torch.bool)

@@ -19,8 +19,11 @@ from peers.client.retry import backoff, classify, report_failure
 from peers.core.access import load_admission, load_identity
 from peers.core.aio import BackgroundLoop
 from peers.core.config import ClientConfig, SwarmConfig
+from peers.core.devices import resolve_device, resolve_dtype
 from peers.core.ids import DTYPES
 from peers.model import ModelConfig, load_blocks, load_client_parts
+from peers.model.hub import resolve_model
+from peers.training.state import client_part, load_weights, trainer_part_dir
 from peers.wire.errors import MovedError, RequestError
 from peers.wire.links import PeerLinks
 from peers.wire.messages import InfoRequest, StageInfo
@@ -60,11 +63,16 @@ class SwarmClient:
             raise ValueError("pass initial_peers either directly or in config.swarm, not both")
         if not config.swarm.initial_peers:
             raise ValueError("SwarmClient needs initial_peers: the line `swarm dht` printed")
-        self.config, self.model_dir = config, Path(model_dir)
+        self.config, self.model_dir = config, resolve_model(model_dir)  # a folder, or a hub id in the HF cache
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.model_name = check_model_name(config.model_name or self.model_config.name)
-        self.device, self.dtype = torch.device(config.device), DTYPES[config.torch_dtype]
+        self.device = torch.device(resolve_device(config.device))
+        self.dtype = DTYPES[resolve_dtype(config.torch_dtype, self.model_config.torch_dtype, self.device)]
         self.embedding, self.head = load_client_parts(self.model_dir, device=self.device, dtype=self.dtype)
+        if config.checkpoint is not None:  # a training run's embedding + head (its blocks are on the peers)
+            info = load_weights(trainer_part_dir(config.checkpoint), client_part(self.embedding, self.head))
+            logger.info("Running the embedding and head of run %r at step %s from %s", info.get("run_id"),
+                        info.get("steps_done"), config.checkpoint)
         if not 0 <= config.local_blocks < self.model_config.num_layers:
             raise ValueError(f"local_blocks must be in 0..{self.model_config.num_layers - 1}")
         self.first_remote = config.local_blocks  # blocks [0, first_remote) run here, the rest on peers

@@ -155,8 +155,11 @@ class ClientConfig:
 
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
     model_name: str | None = None
-    device: str = "cpu"
-    torch_dtype: str = "float32"
+    device: str = "cpu"  # or "auto": cuda when present (``peers.core.devices``)
+    torch_dtype: str = "float32"  # or "auto": float32 on the CPU, the checkpoint's dtype on a GPU
+    # a ``swarm train`` run's trainer checkpoint (CHECKPOINT_DIR/<run_id>[/trainer]): its trained embedding + head run
+    # here instead of the model folder's (the blocks are the ones the peers serve, trained by the run)
+    checkpoint: Path | None = None
     request_timeout: float = 30.0  # seconds per RPC
     step_timeout_factor: float = 25.0  # a generation step times out after this many typical step times ...
     min_step_timeout: float = 1.0  # ... but never sooner than this many seconds (nor later than request_timeout)
@@ -179,8 +182,8 @@ class ClientConfig:
         if self.topology not in TOPOLOGIES:
             raise ValueError(f"topology must be one of {list(TOPOLOGIES)}, got {self.topology!r}")
         self.codec  # noqa: B018 - checks ``compression`` (ValueError saying what it takes)
-        if self.torch_dtype not in DTYPES:
-            raise ValueError(f"torch_dtype must be one of {list(DTYPES)}")
+        if self.torch_dtype not in (*DTYPES, "auto"):
+            raise ValueError(f"torch_dtype must be one of {[*DTYPES, 'auto']}, got {self.torch_dtype!r}")
         if self.request_timeout <= 0 or self.max_retries < 0:
             raise ValueError("request_timeout must be positive and max_retries >= 0")
         if self.local_blocks < 0:

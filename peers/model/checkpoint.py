@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -98,11 +99,11 @@ def _fill(module: nn.Module, tensors: dict[str, torch.Tensor], where: str, stric
 
 def load_blocks(
     model_dir: str | Path, start: int, end: int, *, device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = torch.float32,
+    dtype: torch.dtype | None = torch.float32, progress: Callable[[], None] | None = None,
 ) -> StageBlocks:
     """Load blocks ``[start, end)`` (and only their tensors) into a ``StageBlocks`` (an ``nn.ModuleList``).
 
-    ``dtype=None`` keeps the checkpoint's dtype.
+    ``dtype=None`` keeps the checkpoint's dtype; ``progress()`` is called after each block is loaded.
     """
     ckpt = Checkpoint(model_dir)
     n = ckpt.config.num_layers
@@ -111,12 +112,15 @@ def load_blocks(
     block_cls = _BLOCKS[ckpt.config.family]
     with torch.device("meta"):
         blocks = [block_cls(ckpt.config, i) for i in range(start, end)]
-    wanted = {b.layer_idx: [ckpt.block_prefix(b.layer_idx) + k for k in b.state_dict()] for b in blocks}
-    tensors = ckpt.read([k for keys in wanted.values() for k in keys], device=device, dtype=dtype)
-    for block in blocks:
-        cut = len(ckpt.block_prefix(block.layer_idx))
-        _fill(block, {k[cut:]: tensors[k] for k in wanted[block.layer_idx]}, f"block {block.layer_idx}")
-    logger.info("loaded blocks [%d, %d) of %s (%d tensors)", start, end, ckpt.config.name, len(tensors))
+    count = 0
+    for block in blocks:  # block by block: a progress bar moves, and only one block's tensors wait to be assigned
+        prefix = ckpt.block_prefix(block.layer_idx)
+        tensors = ckpt.read([prefix + k for k in block.state_dict()], device=device, dtype=dtype)
+        _fill(block, {k[len(prefix):]: t for k, t in tensors.items()}, f"block {block.layer_idx}")
+        count += len(tensors)
+        if progress is not None:
+            progress()
+    logger.info("loaded blocks [%d, %d) of %s (%d tensors)", start, end, ckpt.config.name, count)
     return StageBlocks(blocks, start, end).eval()
 
 

@@ -12,6 +12,8 @@ import torch
 
 from peers.core.ids import DTYPES
 
+from .hub import cache_name
+
 logger = logging.getLogger(__name__)
 
 FAMILIES: dict[str, str] = {"llama": "llama", "qwen2": "llama", "mistral": "llama", "gpt2": "gpt2"}
@@ -62,14 +64,16 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
-        """Read ``<path>/config.json``; the folder's base name becomes ``name``."""
+        """Read ``<path>/config.json``; the folder's base name becomes ``name`` (``org--name`` for a snapshot of the
+        Hugging Face cache, ``peers.model.hub``)."""
+
         path = Path(path)
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise ValueError(f"no config.json in {path}: is it a Hugging Face model folder?")
         with cfg_file.open() as f:
             raw = json.load(f)
-        return cls.from_dict(raw, name=path.resolve().name)
+        return cls.from_dict(raw, name=cache_name(path) or path.resolve().name)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], name: str = "") -> ModelConfig:

@@ -29,7 +29,9 @@ from hivemind.dht.node import DHTNode
 import peers
 from peers.core.access import load_admission, load_identity
 from peers.core.config import StageServerConfig
+from peers.core.devices import resolve_device, resolve_dtype
 from peers.core.ids import DTYPES
+from peers.core.progress import load_progress
 from peers.model import ModelConfig, StageBlocks, load_blocks
 from peers.server.backend import StageBackend
 from peers.server.block_timing import measure_block
@@ -77,9 +79,8 @@ class StageServer:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model_dir)
         self.model_name = check_model_name(config.model_name or self.model_config.name)
-        dtype_name = self.model_config.torch_dtype if config.torch_dtype == "auto" else config.torch_dtype
-        self.dtype = DTYPES.get(dtype_name, torch.float32)
-        self.device = torch.device(config.device)
+        self.device = torch.device(resolve_device(config.device))
+        self.dtype = DTYPES[resolve_dtype(config.torch_dtype, self.model_config.torch_dtype, self.device)]
         if config.block_indices is not None and config.block_indices[1] > self.model_config.num_layers:
             raise ValueError(
                 f"--block_indices {config.block_indices[0]}:{config.block_indices[1]} is beyond the model's "
@@ -141,7 +142,9 @@ class StageServer:
                 handler.switch(None, info, handler.sessions, None, left=None, unserved=moved_refusal(None, None))
             else:
                 logger.info("Loading blocks %d:%d of %s", start, end, self.model_name)
-                blocks = load_blocks(self.config.model_dir, start, end, device=self.device, dtype=self.dtype)
+                with load_progress(end - start, f"Loading blocks {start}:{end}") as advance:
+                    blocks = load_blocks(self.config.model_dir, start, end, device=self.device, dtype=self.dtype,
+                                         progress=advance)
                 compute = None if self.config.throughput else self._measure(blocks)
                 self.throughput = self.config.throughput or 1.0 / compute.forward  # type: ignore[union-attr]
                 self._stage = await self._make_stage(blocks, start, end)

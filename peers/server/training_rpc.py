@@ -296,6 +296,10 @@ class TrainingRPC:
             if self.moved:
                 raise MovedError(self.moved)
             raise RequestError(f"this peer serves {self.info.start}:{self.info.end}, not {request.start}:{request.end}")
+        if request.run_id and request.run_id != self.run_id:
+            held = f"run {self.run_id!r}'s" if self.run_id else "no training run's"
+            raise RequestError(f"blocks {self.info.start}:{self.info.end} here hold {held} weights, not run "
+                               f"{request.run_id[:64]!r}'s")
         return self.current_flat(request.start, request.end)
 
     def current_flat(self, start: int | None = None, end: int | None = None) -> torch.Tensor:

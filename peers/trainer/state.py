@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from peers.core.ids import safe_name
-from peers.training.state import STATE_FILE, load_stage_state, save_stage_state
+from peers.training.state import STATE_FILE, TRAINER_DIR, client_part, load_stage_state, save_stage_state
 
 if TYPE_CHECKING:
     from peers.trainer.swarm_trainer import SwarmTrainer
@@ -25,7 +25,7 @@ KIND = "trainer"
 def trainer_checkpoint_path(checkpoint_dir: str | Path, run_id: str) -> Path:
     """``checkpoint_dir/<run_id>/trainer``: next to the peers' ``<run_id>/blocks-A-B`` if they share the folder."""
     safe_run = safe_name(run_id)
-    return Path(checkpoint_dir) / safe_run / "trainer"
+    return Path(checkpoint_dir) / safe_run / TRAINER_DIR
 
 
 def has_trainer_state(directory: str | Path) -> bool:
@@ -34,7 +34,8 @@ def has_trainer_state(directory: str | Path) -> bool:
 
 
 def _part(trainer: SwarmTrainer) -> nn.ModuleDict:
-    return nn.ModuleDict({"embedding": trainer.client.embedding, "head": trainer.client.head})
+    return client_part(trainer.client.embedding, trainer.client.head)
+
 
 
 def save_trainer_state(trainer: SwarmTrainer, directory: str | Path, extra: dict[str, Any] | None = None) -> Path:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from peers.model.hub import HUB_ID, resolve_model
 from swarm.compression.policy import check_setting
 
 SCHEDULES = ("constant", "linear", "cosine")
@@ -219,6 +220,11 @@ class TrainConfig:
             for key in _PATH_KEYS:
                 if kwargs.get(key) is not None and not kwargs[key].is_absolute():
                     kwargs[key] = (base_dir / kwargs[key]).resolve()
+        if HUB_ID.fullmatch(str(d["model_dir"])) and not kwargs["model_dir"].exists():
+            try:  # a hub id in the local HF cache; else a folder still to be made (its loader says what is missing)
+                kwargs["model_dir"] = resolve_model(str(d["model_dir"]))
+            except ValueError:
+                pass
         optim = d.get("optim", {})
         if not isinstance(optim, dict):
             raise ValueError(f"TrainConfig: optim must be a table ([optim]), got {optim!r}")

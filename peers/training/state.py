@@ -34,6 +34,7 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 STATE_FILE = "state.json"
 FORMAT = 1
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
+TRAINER_DIR = "trainer"  # a run's trainer part: CHECKPOINT_DIR/<run_id>/trainer (``peers.trainer.state``)
 
 
 def _named(module: nn.Module) -> dict[str, nn.Parameter]:
@@ -121,3 +122,42 @@ def load_stage_state(directory: str | Path, module: nn.Module, optimizer: torch.
             else:
                 optimizer.state.pop(p, None)
     return info
+
+
+def load_weights(directory: str | Path, module: nn.Module, *, expect: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Load only the weights of a saved part into ``module`` (e.g. to run what a run trained); return ``state.json``.
+
+    Refuses (``ValueError``, nothing changed) a state whose ``expect`` entries, parameter names or shapes differ."""
+    directory = Path(directory)
+    info = read_state_info(directory)
+    for key, want in (expect or {}).items():
+        if info.get(key) != want:
+            raise ValueError(f"the state at {directory} has {key}={info.get(key)!r}, not {want!r}")
+    params = _named(module)
+    weights = load_file(str(directory / WEIGHTS_FILE))
+    wrong = sorted(set(params) ^ set(weights)) + sorted(n for n in set(params) & set(weights)
+                                                         if tuple(weights[n].shape) != tuple(params[n].shape))
+    if wrong:
+        raise ValueError(f"the weights at {directory} do not fit this model ({wrong[:5]}): were they saved for "
+                         "another model?")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(weights[name])
+    return info
+
+
+def client_part(embedding: nn.Module, head: nn.Module) -> nn.ModuleDict:
+    """A trainer's part as it is saved: embedding + head (a tied head's weight once, as the embedding's)."""
+    return nn.ModuleDict({"embedding": embedding, "head": head})
+
+
+def trainer_part_dir(path: str | Path) -> Path:
+    """The trainer part of a run checkpoint: ``path`` itself, or ``path/trainer`` (``CHECKPOINT_DIR/<run_id>``)."""
+    path = Path(path)
+    if (path / STATE_FILE).is_file():
+        return path
+    if (path / TRAINER_DIR / STATE_FILE).is_file():
+        return path / TRAINER_DIR
+    raise ValueError(f"no trainer checkpoint at {path}: pass CHECKPOINT_DIR/RUN_ID (the checkpoint_dir of the "
+                     f"training config, and the run's id: the config file's name unless --run_id was given) or its "
+                     f"{TRAINER_DIR}/ folder")

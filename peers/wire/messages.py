@@ -205,10 +205,12 @@ class ParamsPush(Message):
 
 @dataclasses.dataclass(frozen=True)
 class ParamsFetch(Message):
-    """Ask a peer serving the same span for its current flat parameters (a late replica joining)."""
+    """Ask a peer for its current flat parameters of blocks ``[start, end)`` (a late replica joining, a peer moving,
+    ``swarm export``); with ``run_id``, only if they are that training run's (else a refusal)."""
 
     start: int
     end: int
+    run_id: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

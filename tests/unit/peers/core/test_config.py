@@ -134,7 +134,8 @@ def test_server_config_missing_dir(tmp_path):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{}, {"torch_dtype": "bfloat16"}, {"max_retries": 0}, {"request_timeout": 0.1, "model_name": "x"}],
+    [{}, {"torch_dtype": "bfloat16"}, {"torch_dtype": "auto", "device": "auto"}, {"max_retries": 0},
+     {"request_timeout": 0.1, "model_name": "x"}],
 )
 def test_client_config_valid(kwargs):
     config = ClientConfig(**kwargs)
@@ -145,7 +146,6 @@ def test_client_config_valid(kwargs):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"torch_dtype": "auto"}, "torch_dtype must be one of"),
         ({"torch_dtype": "float64"}, "torch_dtype must be one of"),
         ({"request_timeout": 0}, "request_timeout must be positive"),
         ({"request_timeout": -1.0}, "request_timeout must be positive"),

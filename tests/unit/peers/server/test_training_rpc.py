@@ -16,7 +16,7 @@ from peers.server.training_rpc import TrainingRPC
 from peers.training import GradientError, OptimConfig, StageTrainer
 from peers.training.state import read_state_info
 from peers.wire.errors import RequestError
-from peers.wire.messages import StageInfo, TrainOpen
+from peers.wire.messages import ParamsFetch, StageInfo, TrainOpen
 
 ME, OTHER = "12D3KooW" + "A" * 44, "12D3KooW" + "B" * 44
 
@@ -109,3 +109,16 @@ def test_finding_01_a_step_that_would_make_weights_non_finite_is_rolled_back(mod
     trainer.backward("c", torch.ones(1, 4, 32), hidden=hidden, position_ids=positions)
     trainer.apply(1)  # the next good step applies
     assert trainer.step == 2
+
+
+def test_a_params_fetch_naming_a_run_gets_only_that_runs_weights(model_dir):
+    rpc = _rpc(model_dir)
+    with pytest.raises(RequestError, match="hold no training run's weights"):
+        rpc.current_params(ParamsFetch(start=0, end=1, run_id="run"))
+    assert rpc.current_params(ParamsFetch(start=0, end=1)).numel() > 0  # no run named: whatever it serves
+    _run(rpc, _open(0, []), object())
+    with pytest.raises(RequestError, match="hold run 'run'.s weights, not run 'other'.s"):
+        rpc.current_params(ParamsFetch(start=0, end=2, run_id="other"))
+    flat = rpc.current_params(ParamsFetch(start=1, end=2, run_id="run"))
+    assert torch.equal(flat, torch.nn.utils.parameters_to_vector(rpc.blocks[1].parameters()))
+    rpc.shutdown()
