@@ -9,6 +9,8 @@ import signal
 import sys
 from pathlib import Path
 
+from peers.cli.api import add_api_command
+from peers.cli.chat import add_chat_command
 from peers.cli.membership import add_membership_commands
 from peers.cli.new_model import add_model_command
 from peers.cli.options import block_indices, swarm_config, swarm_flags
@@ -132,6 +134,8 @@ def _parser() -> argparse.ArgumentParser:
                           "int8]; lossy codecs save bandwidth and may change tokens (benchmarks/lossy_inference.py)")
     gen.set_defaults(func=_cmd_generate)
 
+    add_api_command(sub)
+    add_chat_command(sub)
     add_membership_commands(sub)
     add_model_command(sub)
     add_train_command(sub)
