@@ -29,6 +29,7 @@ from swarm.routing import NoRouteError
 
 logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20
+SHUTDOWN_S = 5.0  # on SIGINT/SIGTERM, requests in flight get this long to finish
 ENGINE: web.AppKey[Engine] = web.AppKey("engine", Engine)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -46,7 +47,7 @@ def make_app(engine: Engine, *, api_key: str | None = None) -> web.Application:
 async def start(engine: Engine, *, host: str = "127.0.0.1", port: int = 8000,
                 api_key: str | None = None) -> tuple[web.AppRunner, str]:
     """Serve on ``host:port`` (0: any free port) from the running loop; the runner (``cleanup()`` it) and the URL."""
-    runner = web.AppRunner(make_app(engine, api_key=api_key), access_log=None)
+    runner = web.AppRunner(make_app(engine, api_key=api_key), access_log=None, shutdown_timeout=SHUTDOWN_S)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -10,6 +10,7 @@ only the replies, one per line, so that it can be scripted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from typing import TextIO
@@ -87,9 +88,10 @@ class Chat:
             return
         shown: list[str] = []
         try:
-            for delta in self.engine.client.loop.iterate(self.engine.stream(job)):
-                print(delta.text, end="", file=out, flush=True)
-                shown.append(delta.text)
+            with contextlib.closing(self.engine.client.loop.iterate(self.engine.stream(job))) as deltas:
+                for delta in deltas:  # Ctrl-C anywhere in here closes the session on the peers at once
+                    print(delta.text, end="", file=out, flush=True)
+                    shown.append(delta.text)
             print(file=out, flush=True)
         except KeyboardInterrupt:
             print(" [stopped]", file=out, flush=True)
