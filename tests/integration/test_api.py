@@ -98,7 +98,8 @@ def test_completions_equal_swarm_generate(client, served, llama_dir):
     usage = whole.usage
     assert usage.prompt_tokens == len(load_tokenizer(llama_dir).encode(PROMPT).ids)
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-    assert (whole.choices[0].finish_reason, usage.completion_tokens) in (("length", NEW), ("stop", usage.completion_tokens))
+    finish = whole.choices[0].finish_reason
+    assert finish == "stop" if usage.completion_tokens < NEW else finish == "length"
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=NEW, temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
@@ -147,7 +148,7 @@ def test_16_concurrent_streams_all_complete(served, llama_dir):
     prompts = [f"Prompt number {i}:" for i in range(16)]
 
     async def one(api: openai.AsyncOpenAI, prompt: str) -> str:
-        stream = await api.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+        stream = await api.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True)
         return "".join([chunk.choices[0].text async for chunk in stream])
 
     async def run_all() -> list[str]:
@@ -155,7 +156,7 @@ def test_16_concurrent_streams_all_complete(served, llama_dir):
             return await asyncio.gather(*(one(api, p) for p in prompts))
 
     got = asyncio.run(run_all())
-    assert got == expected_texts(llama_dir, prompts, 12)
+    assert got == expected_texts(llama_dir, prompts, 8)
 
 
 @pytest.mark.parametrize("kwargs, error, code", [
@@ -204,7 +205,7 @@ def test_malformed_json_and_keys_are_refused_and_the_server_keeps_serving(served
 def test_chat_cli_through_a_pipe(llama_swarm, llama_dir, client):
     """Ctrl-C stops a reply (not the program), /reset forgets, the history shapes the next reply, /exit quits."""
     chat = subprocess.Popen(cli("chat", str(llama_dir), "--initial_peers", *llama_swarm.initial_peers,
-                                "--temperature", "0", "--max_tokens", "100"),
+                                "--temperature", "0", "--max_tokens", "48"),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
     try:
@@ -223,7 +224,7 @@ def test_chat_cli_through_a_pipe(llama_swarm, llama_dir, client):
     assert rest, f"the first reply was not stopped: {text!r}\n{err.decode()}"
 
     def reply(messages: list[dict[str, str]]) -> str:
-        return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=100,
+        return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48,
                                               temperature=0).choices[0].message.content
 
     one = reply([{"role": "user", "content": QUESTION}])
