@@ -47,7 +47,9 @@ def make_app(engine: Engine, *, api_key: str | None = None) -> web.Application:
 async def start(engine: Engine, *, host: str = "127.0.0.1", port: int = 8000,
                 api_key: str | None = None) -> tuple[web.AppRunner, str]:
     """Serve on ``host:port`` (0: any free port) from the running loop; the runner (``cleanup()`` it) and the URL."""
-    runner = web.AppRunner(make_app(engine, api_key=api_key), access_log=None, shutdown_timeout=SHUTDOWN_S)
+    # handler_cancellation: a caller that goes away cancels its request, which closes its session on the peers
+    runner = web.AppRunner(make_app(engine, api_key=api_key), access_log=None, shutdown_timeout=SHUTDOWN_S,
+                           handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

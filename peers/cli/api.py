@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 from peers.cli.options import swarm_config, swarm_flags
 
 logger = logging.getLogger(__name__)
+API_KEY_ENV = "SWARM_API_KEY"
 
 
 def add_api_command(sub) -> None:
@@ -23,7 +25,8 @@ def add_api_command(sub) -> None:
                      help="address to listen on; 0.0.0.0 exposes the API to other machines (then set --api_key)")
     api.add_argument("--port", type=int, default=8000, help="TCP port (0: any free one, printed)")
     api.add_argument("--api_key", default=None,
-                     help="require `Authorization: Bearer KEY` on every request (default: no key)")
+                     help=f"require `Authorization: Bearer KEY` on every request; or set ${API_KEY_ENV}, which keeps "
+                          f"the key out of the process list (default: neither, no key)")
     api.add_argument("--max_tokens", type=int, default=256,
                      help="tokens generated when a request does not say (clipped to the context left)")
     api.set_defaults(func=_cmd_api)
@@ -67,14 +70,15 @@ def _cmd_api(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     client, engine = open_engine(args, args.max_tokens)
     stop = threading.Event()
     try:
-        runner, url = client.loop.run(start(engine, host=args.host, port=args.port, api_key=args.api_key))
+        runner, url = client.loop.run(start(engine, host=args.host, port=args.port, api_key=api_key))
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         print(f"OpenAI-compatible API for model {engine.model_id!r} on {url}", flush=True)
-        if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+        if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
             logger.warning("Listening on %s without --api_key: anyone who reaches this port can use it", args.host)
         while not stop.wait(1.0):
             pass

@@ -24,7 +24,6 @@ import pytest
 import torch
 
 from peers.client.textgen import eos_ids, load_tokenizer
-from peers.model import LocalModel
 
 KEY = "test-key"
 MODEL = "llama-tiny"
@@ -63,9 +62,9 @@ def stop(proc: subprocess.Popen) -> None:
 @pytest.fixture(scope="module")
 def served(llama_swarm, llama_dir) -> Iterator[tuple[str, str]]:
     """The API's base URL, and what ``swarm generate`` prints for ``PROMPT`` (run while the API starts)."""
-    api = subprocess.Popen(cli("api", str(llama_dir), "--initial_peers", *llama_swarm.initial_peers, "--port", "0",
-                               "--api_key", KEY), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           start_new_session=True)
+    api = subprocess.Popen(cli("api", str(llama_dir), "--initial_peers", *llama_swarm.initial_peers, "--port", "0"),
+                           env={**os.environ, "SWARM_API_KEY": KEY},  # the key as --api_key KEY, out of `ps`
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         generated = subprocess.run(cli("generate", str(llama_dir), "--initial_peers", *llama_swarm.initial_peers,
                                        "--prompt", PROMPT, "--max_new_tokens", str(NEW)),
@@ -132,20 +131,20 @@ def test_sampling_with_a_seed_is_reproducible(client):
     assert sample() == sample()
 
 
-def expected_texts(llama_dir, prompts: list[str], new: int) -> list[str]:
-    """Greedy continuations in one process, cut at the end token."""
-    tokenizer, model = load_tokenizer(llama_dir), LocalModel.from_dir(llama_dir)
+def expected_texts(swarm_client, llama_dir, prompts: list[str], new: int) -> list[str]:
+    """Greedy continuations from the Python client (its own sessions, 8 rows each), cut at the end token."""
+    tokenizer = load_tokenizer(llama_dir)
     stops, texts = set(eos_ids(llama_dir, tokenizer)), []
-    for prompt in prompts:
-        ids = tokenizer.encode(prompt).ids
-        out = model.generate_greedy(torch.tensor([ids]), new)[0, len(ids):].tolist()
-        end = next((i for i, t in enumerate(out) if t in stops), len(out))
-        texts.append(tokenizer.decode(out[:end]))
+    ids = torch.tensor([tokenizer.encode(p).ids for p in prompts])
+    for rows in ids.split(8):  # the peers' --max_batch_size
+        for out in swarm_client.generate(rows, new)[:, ids.shape[1]:].tolist():
+            end = next((i for i, t in enumerate(out) if t in stops), len(out))
+            texts.append(tokenizer.decode(out[:end]))
     return texts
 
 
-def test_16_concurrent_streams_all_complete(served, llama_dir):
-    prompts = [f"Prompt number {i}:" for i in range(16)]
+def test_16_concurrent_streams_all_complete(served, llama_client, llama_dir):
+    prompts = [f"Prompt {i:02d}:" for i in range(16)]  # one length: two batches of 8 rows for the expected
 
     async def one(api: openai.AsyncOpenAI, prompt: str) -> str:
         stream = await api.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True)
@@ -156,7 +155,7 @@ def test_16_concurrent_streams_all_complete(served, llama_dir):
             return await asyncio.gather(*(one(api, p) for p in prompts))
 
     got = asyncio.run(run_all())
-    assert got == expected_texts(llama_dir, prompts, 8)
+    assert got == expected_texts(llama_client, llama_dir, prompts, 8)
 
 
 @pytest.mark.parametrize("kwargs, error, code", [
@@ -205,7 +204,7 @@ def test_malformed_json_and_keys_are_refused_and_the_server_keeps_serving(served
 def test_chat_cli_through_a_pipe(llama_swarm, llama_dir, client):
     """Ctrl-C stops a reply (not the program), /reset forgets, the history shapes the next reply, /exit quits."""
     chat = subprocess.Popen(cli("chat", str(llama_dir), "--initial_peers", *llama_swarm.initial_peers,
-                                "--temperature", "0", "--max_tokens", "48"),
+                                "--temperature", "0", "--max_tokens", "32"),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
     try:
@@ -224,7 +223,7 @@ def test_chat_cli_through_a_pipe(llama_swarm, llama_dir, client):
     assert rest, f"the first reply was not stopped: {text!r}\n{err.decode()}"
 
     def reply(messages: list[dict[str, str]]) -> str:
-        return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48,
+        return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=32,
                                               temperature=0).choices[0].message.content
 
     one = reply([{"role": "user", "content": QUESTION}])
