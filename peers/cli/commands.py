@@ -9,6 +9,8 @@ import signal
 import sys
 from pathlib import Path
 
+from peers.cli.api import add_api_command
+from peers.cli.chat import add_chat_command
 from peers.cli.export import add_export_command
 from peers.cli.membership import add_membership_commands
 from peers.cli.new_model import add_model_command
@@ -155,6 +157,8 @@ def _parser() -> argparse.ArgumentParser:
                           "(default: the model folder's)")
     gen.set_defaults(func=_cmd_generate)
 
+    add_api_command(sub)
+    add_chat_command(sub)
     add_membership_commands(sub)
     add_model_command(sub)
     add_train_command(sub)

@@ -86,6 +86,9 @@ class ChainSession(InferenceSession):
             except _HopFailed as failure:
                 failures += 1
                 await self._recover(failure.index, failure.error, failures, started, position, pending)
+            except BaseException:  # e.g. cancelled (the caller went away): the hops' replies are not news
+                self._drop(pending)
+                raise
         for hop in self.hops:
             self.client.router.on_success(hop.peer_id)
         if x.shape[1] == 1:

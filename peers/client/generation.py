@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +34,16 @@ class SamplingConfig:
         return self.do_sample and self.temperature > 0
 
 
+def sampling_config(temperature: float | None = None, *, top_k: int | None = None, top_p: float | None = None,
+                    seed: int | None = None) -> SamplingConfig:
+    """Greedy when ``temperature`` or ``top_p`` is 0 (as in OpenAI's API), or when nothing asks for sampling;
+    else sampling at ``temperature`` (default 1) with ``top_k`` / ``top_p``."""
+    if temperature == 0 or top_p == 0 or (temperature is None and top_k is None and top_p is None):
+        return SamplingConfig(seed=seed)
+    return SamplingConfig(do_sample=True, temperature=1.0 if temperature is None else temperature, top_k=top_k,
+                          top_p=top_p, seed=seed)
+
+
 def next_tokens(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator | None = None) -> torch.Tensor:
     """The next token of each row of ``logits`` ``[batch, vocab]``."""
     if not config.samples:
@@ -57,7 +67,7 @@ async def generate_stream(
     max_new_tokens: int,
     sampling: SamplingConfig = SamplingConfig(),
     stop_tokens: Sequence[int] = (),
-) -> AsyncIterator[torch.Tensor]:
+) -> AsyncGenerator[torch.Tensor, None]:
     """Yield the next token of every row (``[batch]``) as soon as it is chosen.
 
     Rows that produced a stop token keep yielding that token; the stream ends when every row has

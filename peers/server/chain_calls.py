@@ -155,6 +155,9 @@ class ChainCalls(StreamCalls):
             return given
         what = (f"the input of session {session.session_id!r} at token {position} from its upstream peer "
                 f"{short_id(session.upstream)}")
+        if self.sessions.sessions.get(session.session_id) is not session:
+            # closed before this step got here (its close failed no waiter): do not hold the stream's replies
+            raise RequestError(f"session {session.session_id!r} was closed")
         return await self.inbox.take((session.session_id, position), self.request_timeout, what)
 
     async def _push(self, session: Session, position: int, output: torch.Tensor) -> None:

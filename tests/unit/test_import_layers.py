@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("privacy", "swarm", "peers")
 
 # peers' rooms, lowest first: a room may import rooms of a lower rank (and itself), never a higher or an equal one
-RANKS = {"core": 0, "model": 1, "training": 2, "wire": 3, "server": 4, "client": 4, "trainer": 5, "cli": 6}
+RANKS = {"core": 0, "model": 1, "training": 2, "wire": 3, "server": 4, "client": 4, "trainer": 5, "api": 5, "cli": 6}
 
 
 def module_name(path: Path) -> str:

@@ -20,6 +20,7 @@ from peers.server.kv_sessions import SessionRegistry
 from peers.wire.framing import IncomingFrames, encode
 from peers.wire.messages import (
     ForwardRequest,
+    InferenceClose,
     InferenceHello,
     InferenceOpen,
     InferencePush,
@@ -148,5 +149,23 @@ def test_a_push_for_a_closed_or_unknown_session_or_of_wrong_rows_is_refused(llam
         assert "do not add up" in (await upstream.reply())[0].error
         client.send(InferenceStep(session_ids=["t" * 16], positions=[0]), torch.randn(1, 1, HIDDEN))
         assert "without a tensor" in (await client.reply())[0].error
+
+    _run(llama_dir, test)
+
+
+def test_a_step_that_arrives_with_its_sessions_close_does_not_hold_up_the_stream(llama_dir):
+    """A client that gives up mid-step (Ctrl-C, an API caller gone) sends the close right behind the step: the
+    deferred step must not wait for a push that will never come, holding the stream's later replies."""
+    async def test(streams):
+        client, upstream = streams["client"], streams["upstream"]
+        client.send(InferenceOpen(session_id="u" * 16, start=0, end=8, max_length=8, batch_size=1,
+                                  upstream=upstream.peer_id))
+        assert (await client.reply())[0].error == ""
+        client.send(InferenceStep(session_ids=["u" * 16], positions=[0]))  # waits for its input from upstream
+        client.send(InferenceClose(session_ids=["u" * 16]))  # no reply
+        client.send(InferenceOpen(session_id="v" * 16, start=0, end=8, max_length=8, batch_size=1))
+        stepped, _ = await client.reply(timeout=5.0)  # the peer's request_timeout (10 s) would be too late
+        assert "was closed" in (stepped.errors[0] if stepped.errors else stepped.error)
+        assert (await client.reply(timeout=5.0))[0].error == ""
 
     _run(llama_dir, test)
