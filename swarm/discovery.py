@@ -34,7 +34,7 @@ from swarm.records import PeerRecord
 from swarm.startup_checks import IdentityClaim, StartupRefused, check_identity_offline, check_ports_free
 
 __all__ = ["NatOptions", "StartupRefused", "SwarmNode", "announce", "announce_plan", "fetch_plans", "fetch_records",
-           "start_node", "visible_maddrs"]
+           "fetch_swarm", "start_node", "visible_maddrs"]
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +131,13 @@ async def fetch_plans(node: DHTNode, model: str) -> list[Plan]:
                 _warned_plans[warned] = None
                 logger.warning("Dropped a plan under %s: %s", plans_key(model), e)
     return sorted(plans, key=lambda p: (p.broker, p.run_id))
+
+
+async def fetch_swarm(node: DHTNode, model: str, timeout: float) -> tuple[Snapshot, list[Plan]]:
+    """What ``swarm status`` and ``swarm monitor`` show of ``model``: its records and its plans, each lookup within
+    ``timeout`` seconds (``asyncio.TimeoutError`` beyond)."""
+    records = await asyncio.wait_for(fetch_records(node, model), timeout)
+    return records, await asyncio.wait_for(fetch_plans(node, model), timeout)
 
 
 class SwarmNode(DHTNode):

@@ -19,7 +19,7 @@ from peers.cli.train import add_train_command
 from peers.core.config import DEFAULT_CACHE_DIR, StageServerConfig
 from peers.core.devices import resolve_device
 from peers.core.trainers import FLAG_HELP, parse_trainers
-from peers.model.hub import HUB_ID, resolve_model
+from peers.model.hub import resolve_model
 
 logger = logging.getLogger("peers.cli")
 
@@ -125,6 +125,17 @@ def _parser() -> argparse.ArgumentParser:
     swarm_flags(status, joining=True, new_swarm=False)
     model_name_flag(status)
     status.set_defaults(func=_cmd_status)
+
+    monitor = sub.add_parser("monitor", help="a live web map of the swarm (coverage, peers, plans) and its JSON")
+    monitor.add_argument("models", nargs="+", metavar="MODEL",
+                         help="models to show: folders, hub ids (from the local cache) or names in the swarm")
+    swarm_flags(monitor, joining=True, new_swarm=False)
+    monitor.add_argument("--host", default="127.0.0.1",
+                         help="address the web page listens on (default: this machine only; 0.0.0.0 shows it to "
+                              "others, who then see what these credentials read)")
+    monitor.add_argument("--port", type=int, default=8000, help="web port (0: any free port, printed)")
+    monitor.add_argument("--refresh", type=float, default=5.0, help="seconds between readings of the swarm")
+    monitor.set_defaults(func=_cmd_monitor)
 
     gen = sub.add_parser("generate", help="generate text through the swarm (token ids never leave this machine)")
     gen.add_argument("model_dir", metavar="MODEL", help=MODEL_HELP + "; the embeddings, head and tokenizer.json run "
@@ -238,43 +249,48 @@ def _cmd_move(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from peers.cli.status import print_status
-    from swarm.discovery import fetch_plans, fetch_records, start_node
+    from peers.cli.status import model_name_and_blocks, print_status, start_reader
+    from swarm.discovery import fetch_swarm
 
     swarm = swarm_config(args)
     if not swarm.initial_peers:
         raise ValueError("pass --initial_peers: the line `swarm dht` printed")
-    name, total = args.model, None
-    try:
-        model_path: Path | None = resolve_model(args.model)
-    except ValueError:
-        model_path = None  # a name in the swarm (with no folder here)
-    if model_path is not None and (model_path / "config.json").is_file():
-        from peers.model import ModelConfig
-
-        config = ModelConfig.from_dir(model_path)
-        name, total = config.name, config.num_layers
-    elif HUB_ID.fullmatch(args.model) and not args.model_name:
-        resolve_model(args.model)  # raises: not cached, saying how to get it (or pass the swarm's name)
-    name = args.model_name or name
-
-    from peers.core.access import load_admission, load_identity
-
-    identity = load_identity(swarm)
-    admission = load_admission(swarm, identity)
+    name, total = model_name_and_blocks(args.model, args.model_name)
 
     async def snapshot():
-        node = await start_node(initial_peers=swarm.initial_peers, host_maddrs=swarm.host_maddrs, client_mode=True,
-                                identity=identity, record_validator=admission.record_validator(), nat=swarm.nat())
+        node = await start_reader(swarm)
         try:
-            records = await asyncio.wait_for(fetch_records(node, name), swarm.dht_timeout)
-            return records, await asyncio.wait_for(fetch_plans(node, name), swarm.dht_timeout)
+            return await fetch_swarm(node, name, swarm.dht_timeout)
         finally:
             await node.shutdown()
 
     records, plans = asyncio.run(snapshot())
     total = total or max((r.end for r in records), default=0)
     print_status(name, records, total, plans=plans)
+    return 0
+
+
+def _cmd_monitor(args: argparse.Namespace) -> int:
+    from peers.cli.status import model_name_and_blocks, start_reader
+    from peers.monitor.app import Monitor, serve_monitor
+
+    swarm = swarm_config(args)
+    if not swarm.initial_peers:
+        raise ValueError("pass --initial_peers: the line `swarm dht` printed")
+    if args.refresh <= 0:
+        raise ValueError(f"--refresh must be positive, got {args.refresh}")
+    models = [model_name_and_blocks(model) for model in args.models]
+
+    async def run(stop: asyncio.Event) -> None:
+        node = await start_reader(swarm)
+        try:
+            monitor = Monitor(node, models, refresh=args.refresh, private=swarm.credentials_path is not None,
+                              dht_timeout=swarm.dht_timeout)
+            await serve_monitor(monitor, args.host, args.port, stop)
+        finally:
+            await node.shutdown()
+
+    _run_until_signal(run)
     return 0
 
 

@@ -28,6 +28,7 @@ from privacy.peer_ids import peer_id_of
 READY_PEER = re.compile(r"Serving blocks (\d+):(\d+) of \S+ as peer (\w+)")
 READY_BACKUP = re.compile(r"Backup peer (\w+) of \S+ ready")
 READY_DHT = re.compile(r"--initial_peers (.+)$", re.MULTILINE)
+READY_MONITOR = re.compile(r"Monitor at (http://\S+/) ")
 LOOPBACK = "127.0.0.1"
 
 
@@ -218,6 +219,14 @@ class LocalSwarm:
         if wait:
             self.wait_ready(proc, timeout)
         return proc
+
+    def start_monitor(self, models: Sequence[str | Path], *, refresh: float = 1.0, extra: Sequence[str] = (),
+                      timeout: float = 60.0) -> tuple[SwarmProcess, str]:
+        """``swarm monitor`` of ``models`` on a free port of 127.0.0.1 (a member's credentials in a private swarm):
+        the process and the page's URL."""
+        proc = self._spawn(["monitor", *map(str, models), "--initial_peers", *self.initial_peers, "--port", "0",
+                            "--refresh", str(refresh), *self.member_flags("monitor"), *extra], "monitor")
+        return proc, proc.wait_for(READY_MONITOR, timeout).group(1)
 
     @staticmethod
     def wait_ready(proc: SwarmProcess, timeout: float = 120.0) -> tuple[int, int, str]:

@@ -130,7 +130,7 @@ class StageServer:
             self.announcer = Announcer(
                 self.node, self._make_record(peer_id, start, end), period=self.config.update_period,
                 check=lambda: check_membership(self.admission),
-                refresh=lambda r: dataclasses.replace(r, links=self.link_table.best_rows()))
+                refresh=lambda r: dataclasses.replace(r, links=self.link_table.best_rows(), **self._cache_use()))
             await self.announcer.start()  # JOINING: other joining peers see our blocks and choose others
             self.links = PeerLinks(self.node.p2p, self.admission, timeout=self.config.request_timeout,
                                    observe=self.link_table.observe)
@@ -329,6 +329,11 @@ class StageServer:
         assert self.announcer is not None
         await self.announcer.publish(state=state, start=start, end=end, max_blocks=self.max_blocks)
         self.record = self.announcer.record
+
+    def _cache_use(self) -> dict[str, int]:
+        """The record's cache figures now (none for a backup: it holds no cache)."""
+        sessions = self._stage.sessions if self._stage is not None else None
+        return {} if sessions is None else {"cache_tokens": sessions.cache_tokens, "cache_used": sessions.tokens_used}
 
     # ---- building a span --------------------------------------------------------------------------
     def _sessions(self) -> SessionRegistry:
