@@ -82,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
     peer.add_argument("--num_threads", type=int, default=None,
                       help="CPU threads for torch (default: torch's); use 1 when several peers share a CPU")
     peer.add_argument("--public_name", default="", help="a name shown in `swarm status`")
+    peer.add_argument("--metrics_port", type=int, default=0,
+                      help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (default 0: off)")
+    peer.add_argument("--metrics_host", default="127.0.0.1",
+                      help="address of the metrics port (default: this machine only; 0.0.0.0 for a remote scraper)")
     model_name_flag(peer)
     peer.add_argument("--max_batch_size", type=int, default=8, help="rows per request")
     peer.add_argument("--max_batch_tokens", type=int, default=2048,
@@ -224,6 +228,7 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         require_encryption=not args.allow_plaintext, trainers=parse_trainers(args.trainers),
         checkpoint_dir=args.checkpoint_dir, backup=args.backup, max_blocks=args.max_blocks,
         follow_plans=args.follow_plans, control_socket=args.control_socket, organise=args.organise,
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host,
     )
     if args.num_threads:
         import torch

@@ -106,9 +106,13 @@ class StageServerConfig:
     follow_plans: bool = True
     organise: bool = False  # take part in the swarm-wide plan (private: the broker's; public: its own), not only runs'
     control_socket: Path | None = None
+    metrics_port: int = 0  # Prometheus /metrics on this port (``peers.server.metrics``); 0: off
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics_port must be in 0..65535 (0: off), got {self.metrics_port}")
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"{self.model_dir} has no config.json: pass a Hugging Face model folder")
         if self.backup and (self.block_indices is not None or self.num_blocks is not None):

@@ -40,6 +40,7 @@ from peers.server.control import close_control, serve_control
 from peers.server.handler import StageHandler
 from peers.server.kv_sessions import SessionRegistry
 from peers.server.memory import block_bytes, free_bytes, holdable_blocks
+from peers.server.metrics import serve_metrics
 from peers.server.plan_follower import plan_following
 from peers.server.prober import LinkProber
 from peers.server.span_loading import assemble, fetch_trained, has_checkpoint, load_new_blocks
@@ -166,6 +167,8 @@ class StageServer:
             probing = asyncio.create_task(self._prober(peer_id, self.links, self.announcer).run())
             if self.config.control_socket is not None:
                 control = await serve_control(self.config.control_socket, self)
+            if self.config.metrics_port:
+                serve_metrics(self, self.config.metrics_port, self.config.metrics_host)
             if self.config.backup:
                 logger.info("Backup peer %s of %s ready (up to %d blocks, %.0f tokens/s per block): no blocks "
                             "loaded until it is moved; addresses: %s", peer_id, self.model_name, self.max_blocks,
