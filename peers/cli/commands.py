@@ -12,7 +12,15 @@ from pathlib import Path
 from peers.cli.export import add_export_command
 from peers.cli.membership import add_membership_commands
 from peers.cli.new_model import add_model_command
-from peers.cli.options import MODEL_HELP, block_indices, device_flags, model_name_flag, swarm_config, swarm_flags
+from peers.cli.options import (
+    MODEL_HELP,
+    block_indices,
+    device_flags,
+    lan_swarm,
+    model_name_flag,
+    swarm_config,
+    swarm_flags,
+)
 from peers.cli.output import TEXT, LineBreakingHandler
 from peers.cli.parsing import SwarmParser
 from peers.cli.train import add_train_command
@@ -184,7 +192,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _cmd_dht(args: argparse.Namespace) -> int:
     from peers.core.access import load_admission, load_identity
-    from swarm.discovery import start_node, visible_maddrs
+    from swarm.discovery import lan_presence, start_node, visible_maddrs
     from swarm.revocations import keep_revocations, serve_until
 
     swarm = swarm_config(args)
@@ -197,12 +205,17 @@ def _cmd_dht(args: argparse.Namespace) -> int:
             identity_path=swarm.identity_path, record_validator=admission.record_validator(), nat=swarm.nat(),
         )
         revocations = asyncio.ensure_future(keep_revocations(node, admission, period=15.0))
+        lan = None
         try:
             maddrs = await visible_maddrs(node)
             print(f"To connect other peers to this one, use --initial_peers {' '.join(maddrs)}", flush=True)
             print(f"This is a {admission.describe()}", flush=True)
+            if swarm.lan:  # peers and clients with no --initial_peers on this LAN find it
+                lan = await lan_presence(node, swarm.host_maddrs)
             await serve_until(stop, revocations)  # or raise: our own certificate was revoked or expired
         finally:
+            if lan is not None:
+                await lan.close()
             revocations.cancel()
             await asyncio.wait([revocations])
             await node.shutdown()
@@ -257,7 +270,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from peers.cli.status import model_name_and_blocks, print_status, start_reader
     from swarm.discovery import fetch_swarm
 
-    swarm = swarm_config(args)
+    swarm = lan_swarm(swarm_config(args))
     if not swarm.initial_peers:
         raise ValueError("pass --initial_peers: the line `swarm dht` printed")
     name, total = model_name_and_blocks(args.model, args.model_name)
@@ -279,7 +292,7 @@ def _cmd_monitor(args: argparse.Namespace) -> int:
     from peers.cli.status import model_name_and_blocks, start_reader
     from peers.monitor.app import Monitor, serve_monitor
 
-    swarm = swarm_config(args)
+    swarm = lan_swarm(swarm_config(args))
     if not swarm.initial_peers:
         raise ValueError("pass --initial_peers: the line `swarm dht` printed")
     if args.refresh <= 0:
@@ -305,7 +318,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from peers.client.textgen import stream_text
     from peers.core.config import ClientConfig
 
-    swarm = swarm_config(args)
+    swarm = lan_swarm(swarm_config(args))
     if not swarm.initial_peers:
         raise ValueError("pass --initial_peers: the line `swarm dht` printed")
     sample = any(x is not None for x in (args.temperature, args.top_k, args.top_p))

@@ -46,6 +46,7 @@ class SwarmConfig:
     relays: tuple[str, ...] = ()  # trusted relays (full multiaddrs); default: the initial peers
     client_mode: bool = False  # a DHT client that only dials out (clients and trainers always are)
     check_reachability: bool = True  # a serving peer asks its initial peers to dial it back before it joins
+    mdns: bool = True  # with no initial peers, find the swarm on the LAN and advertise there (``swarm.lan``)
 
     def __post_init__(self) -> None:
         self.initial_peers = tuple(self.initial_peers)
@@ -65,6 +66,12 @@ class SwarmConfig:
             raise ValueError("--revocations applies to a private swarm: pass --private CREDENTIALS too")
         self.relays = tuple(self.relays)
         self.nat()  # checks the relay options
+
+    @property
+    def lan(self) -> bool:
+        """Whether this node finds the swarm on the LAN (mDNS): none of ``initial_peers`` given, ``mdns`` on, and a
+        public swarm (a private swarm's nodes advertise nothing on the LAN)."""
+        return self.mdns and not self.initial_peers and self.credentials_path is None
 
     def nat(self) -> NatOptions:
         """The relay and NAT options of this node's p2p daemon."""
@@ -132,8 +139,10 @@ class StageServerConfig:
             raise ValueError(f"--torch_dtype must be one of {[*DTYPES, 'auto']}, got {self.torch_dtype!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"--device {self.device}: CUDA is not available on this machine; use --device cpu")
-        if not self.swarm.new_swarm and not self.swarm.initial_peers:
-            raise ValueError("pass --initial_peers (the line `swarm dht` printed) or --new_swarm to start a swarm")
+        if not self.swarm.new_swarm and not self.swarm.initial_peers and not self.swarm.lan:
+            raise ValueError("pass --initial_peers (the line `swarm dht` printed) or --new_swarm to start a swarm"
+                             + (" (a private swarm is never found on the LAN)" if self.swarm.mdns else
+                                " (or drop --no_mdns to find the swarm on the LAN)"))
         for name in ("max_batch_size", "max_batch_tokens", "max_request_bytes", "request_timeout", "update_period",
                      "cache_tokens", "session_timeout"):
             if getattr(self, name) <= 0:

@@ -50,8 +50,9 @@ from peers.wire.links import PeerLinks
 from peers.wire.messages import StageInfo
 from swarm.announcer import Announcer
 from swarm.block_selection import choose_blocks
-from swarm.discovery import fetch_records, start_node, visible_maddrs
+from swarm.discovery import fetch_records, lan_presence, start_node, visible_maddrs
 from swarm.keys import check_model_name
+from swarm.lan import find_swarm
 from swarm.links import LinkTable
 from swarm.measure import Compute, cached_compute
 from swarm.records import PeerRecord, PeerState
@@ -109,8 +110,15 @@ class StageServer:
         self.identity = load_identity(swarm)  # our peer id; signs our handshakes
         self.admission = load_admission(swarm, self.identity)  # who may call us; signs and seals our records
         self._moving = asyncio.Lock()
+        initial_peers = swarm.initial_peers
+        if swarm.lan and not swarm.new_swarm:  # no --initial_peers: the swarm on the LAN, else a new one
+            initial_peers = tuple(await find_swarm(swarm.host_maddrs))
+            if initial_peers:
+                logger.info("Found %d node address(es) on the LAN (mDNS)", len(initial_peers))
+            else:
+                logger.info("No swarm answered on the LAN (mDNS): starting a new one")
         self.node = await start_node(
-            initial_peers=swarm.initial_peers,
+            initial_peers=initial_peers,
             host_maddrs=swarm.host_maddrs,
             announce_maddrs=swarm.announce_maddrs,
             identity=self.identity,
@@ -119,8 +127,10 @@ class StageServer:
             client_mode=swarm.client_mode, nat=swarm.nat(),
             check_reachability=swarm.check_reachability,  # others must dial us (directly or through a relay)
         )
-        self.announcer = handler = reaper = self.links = probing = control = None
+        self.announcer = handler = reaper = self.links = probing = control = lan = None
         try:
+            if swarm.lan:  # advertised on the LAN; meets nodes that started their own swarm there at the same time
+                lan = await lan_presence(self.node, swarm.host_maddrs)
             peer_id = self.peer_id = str(self.node.peer_id)
             self.max_blocks = self._memory_blocks()
             if self.config.backup:
@@ -182,6 +192,8 @@ class StageServer:
             await serve_until(stop, reaper)  # or raise MembershipError: our certificate was revoked or expired
             logger.info("Shutting down: announcing offline")
         finally:
+            if lan is not None:
+                await _quietly(lan.close(), "stop advertising on the LAN")
             if control is not None:
                 await close_control(control, self.config.control_socket)  # type: ignore[arg-type]
             if probing is not None:
