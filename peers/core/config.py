@@ -46,7 +46,9 @@ class SwarmConfig:
     relays: tuple[str, ...] = ()  # trusted relays (full multiaddrs); default: the initial peers
     client_mode: bool = False  # a DHT client that only dials out (clients and trainers always are)
     check_reachability: bool = True  # a serving peer asks its initial peers to dial it back before it joins
-    mdns: bool = True  # with no initial peers, find the swarm on the LAN and advertise there (``swarm.lan``)
+    # with no initial peers, find the swarm on the LAN (a peer: else refused, unless ``new_swarm``) and advertise
+    # there (peers, bootstrap peers; a client only listens): ``swarm.lan``
+    mdns: bool = True
 
     def __post_init__(self) -> None:
         self.initial_peers = tuple(self.initial_peers)

@@ -52,7 +52,7 @@ from swarm.announcer import Announcer
 from swarm.block_selection import choose_blocks
 from swarm.discovery import fetch_records, lan_presence, start_node, visible_maddrs
 from swarm.keys import check_model_name
-from swarm.lan import find_swarm
+from swarm.lan import FIND_WAIT, find_swarm
 from swarm.links import LinkTable
 from swarm.measure import Compute, cached_compute
 from swarm.records import PeerRecord, PeerState
@@ -111,12 +111,15 @@ class StageServer:
         self.admission = load_admission(swarm, self.identity)  # who may call us; signs and seals our records
         self._moving = asyncio.Lock()
         initial_peers = swarm.initial_peers
-        if swarm.lan and not swarm.new_swarm:  # no --initial_peers: the swarm on the LAN, else a new one
+        if swarm.lan and not swarm.new_swarm:  # no --initial_peers: the swarm on the LAN
             initial_peers = tuple(await find_swarm(swarm.host_maddrs))
-            if initial_peers:
-                logger.info("Found %d node address(es) on the LAN (mDNS)", len(initial_peers))
-            else:
-                logger.info("No swarm answered on the LAN (mDNS): starting a new one")
+            if not initial_peers:
+                raise ValueError(
+                    f"no swarm answered on the LAN within {FIND_WAIT:g} s (mDNS on {' '.join(swarm.host_maddrs)}): "
+                    f"pass --initial_peers (the line `swarm dht` printed), or --new_swarm to start one here "
+                    f"(advertised on the LAN); to be found by other machines, listen with --host_maddrs "
+                    f"/ip4/0.0.0.0/tcp/0")
+            logger.info("Found %d node address(es) on the LAN (mDNS)", len(initial_peers))
         self.node = await start_node(
             initial_peers=initial_peers,
             host_maddrs=swarm.host_maddrs,
