@@ -13,10 +13,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# the testbed's NAT host needs nftables (its tests skip without it when not root): installed when we are root
+# the testbed's NAT host needs nftables, the monitor's page test a headless chromium (their tests skip without them):
+# installed when we are root on a system with apt-get
 system-deps:
 	@if [ "$$(id -u)" = 0 ] && ! command -v nft >/dev/null && command -v apt-get >/dev/null; then \
 		apt-get install -y -q nftables || (apt-get update -q && apt-get install -y -q nftables); fi
+	@if [ "$$(id -u)" = 0 ] && ! command -v chromium >/dev/null && command -v apt-get >/dev/null; then \
+		apt-get install -y -q chromium || (apt-get update -q && apt-get install -y -q chromium); fi
 
 install: $(STAMP) system-deps
 

@@ -12,14 +12,16 @@ from pathlib import Path
 
 from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import RecordValidatorBase
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
+from hivemind.utils.multiaddr import Multiaddr
 
 from privacy.files import write_private
 from privacy.identity import Identity
 from privacy.peer_ids import libp2p_private_key, peer_id_of
 from swarm import safe_msgpack
 from swarm.keys import peers_key, plans_key
+from swarm.lan import LanPresence
 from swarm.nat import NatOptions, SwarmP2P, circuit_addrs
 from swarm.plan.signed import PlanRejected, sign_plan, verify_plan
 from swarm.plan.types import Plan
@@ -34,7 +36,7 @@ from swarm.records import PeerRecord
 from swarm.startup_checks import IdentityClaim, StartupRefused, check_identity_offline, check_ports_free
 
 __all__ = ["NatOptions", "StartupRefused", "SwarmNode", "announce", "announce_plan", "fetch_plans", "fetch_records",
-           "start_node", "visible_maddrs"]
+           "fetch_swarm", "lan_presence", "meet", "start_node", "visible_maddrs"]
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +133,29 @@ async def fetch_plans(node: DHTNode, model: str) -> list[Plan]:
                 _warned_plans[warned] = None
                 logger.warning("Dropped a plan under %s: %s", plans_key(model), e)
     return sorted(plans, key=lambda p: (p.broker, p.run_id))
+
+
+async def fetch_swarm(node: DHTNode, model: str, timeout: float) -> tuple[Snapshot, list[Plan]]:
+    """What ``swarm status`` and ``swarm monitor`` show of ``model``: its records and its plans, each lookup within
+    ``timeout`` seconds (``asyncio.TimeoutError`` beyond)."""
+    records = await asyncio.wait_for(fetch_records(node, model), timeout)
+    return records, await asyncio.wait_for(fetch_plans(node, model), timeout)
+
+
+async def meet(node: DHTNode, peer_id: str, maddrs: Sequence[str]) -> None:
+    """Add a node found on the LAN to our routing table, and us to its (a DHT ping), unless we know it already."""
+    peer = PeerID.from_base58(peer_id)
+    if peer == node.peer_id or peer in node.protocol.routing_table:
+        return
+    await node.p2p._client.connect(peer, [Multiaddr(m.split("/p2p/")[0]) for m in maddrs])  # the daemon wants no /p2p/
+    if await node.protocol.call_ping(peer) is not None:
+        logger.info("Met %s on the LAN", peer_id)
+
+
+async def lan_presence(node: DHTNode, host_maddrs: Sequence[str]) -> LanPresence:
+    """Advertise ``node`` on the LAN (``swarm.lan``) and meet every other node advertised there later."""
+    return await LanPresence(str(node.peer_id), await visible_maddrs(node), host_maddrs,
+                             found=lambda peer_id, maddrs: meet(node, peer_id, maddrs)).start()
 
 
 class SwarmNode(DHTNode):

@@ -18,6 +18,7 @@ MAX_BANDWIDTH = 1e13  # bits/s: 10 Tbit/s, beyond any link
 MAX_RTT = 600.0  # seconds
 MAX_AGE = 1e7  # seconds (~4 months)
 MAX_BLOCKS = 100_000  # blocks of a model
+MAX_CACHE_TOKENS = 1 << 40  # a record's cache figures
 MAX_SECONDS_PER_TOKEN = 3600.0  # compute of one token through one block
 LINK_SOURCES = ("passive", "probe")
 DEFAULT_SECONDS_PER_BLOCK = 0.01  # a record with neither compute nor throughput: a slow CPU (100 tokens/s per block)
@@ -90,6 +91,9 @@ class PeerRecord:
     backward_seconds: float = 0.0
     links: tuple[LinkRow, ...] = field(default_factory=tuple)  # best-known links, at most MAX_LINKS
     max_blocks: int = 0  # how many blocks its memory holds (the planner's bound); 0: unknown (its span's size)
+    # its inference KV cache at the announcement, in tokens (batch rows x max length): budget and reserved; 0: unknown
+    cache_tokens: int = 0
+    cache_used: int = 0
 
     def __post_init__(self) -> None:
         peer_id_ok = isinstance(self.peer_id, str) and _PEER_ID_RE.fullmatch(self.peer_id)
@@ -110,6 +114,9 @@ class PeerRecord:
         _check(is_int(self.max_batch_size) and self.max_batch_size >= 1, "bad max_batch_size")
         _check(is_int(self.max_blocks) and 0 <= self.max_blocks <= MAX_BLOCKS,
                f"bad max_blocks {shown(self.max_blocks)}")
+        for name in ("cache_tokens", "cache_used"):
+            value = getattr(self, name)
+            _check(is_int(value) and 0 <= value <= MAX_CACHE_TOKENS, f"bad {name} {shown(value)}")
         _check(is_int(self.wire), "wire must be an integer")  # else the record would not even hash
         for name in ("forward_seconds", "backward_seconds"):
             value = getattr(self, name)

@@ -14,14 +14,22 @@ from peers.cli.chat import add_chat_command
 from peers.cli.export import add_export_command
 from peers.cli.membership import add_membership_commands
 from peers.cli.new_model import add_model_command
-from peers.cli.options import MODEL_HELP, block_indices, device_flags, model_name_flag, swarm_config, swarm_flags
+from peers.cli.options import (
+    MODEL_HELP,
+    block_indices,
+    device_flags,
+    lan_swarm,
+    model_name_flag,
+    swarm_config,
+    swarm_flags,
+)
 from peers.cli.output import TEXT, LineBreakingHandler
 from peers.cli.parsing import SwarmParser
 from peers.cli.train import add_train_command
 from peers.core.config import DEFAULT_CACHE_DIR, StageServerConfig
 from peers.core.devices import resolve_device
 from peers.core.trainers import FLAG_HELP, parse_trainers
-from peers.model.hub import HUB_ID, resolve_model
+from peers.model.hub import resolve_model
 
 logger = logging.getLogger("peers.cli")
 
@@ -84,6 +92,10 @@ def _parser() -> argparse.ArgumentParser:
     peer.add_argument("--num_threads", type=int, default=None,
                       help="CPU threads for torch (default: torch's); use 1 when several peers share a CPU")
     peer.add_argument("--public_name", default="", help="a name shown in `swarm status`")
+    peer.add_argument("--metrics_port", type=int, default=0,
+                      help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (default 0: off)")
+    peer.add_argument("--metrics_host", default="127.0.0.1",
+                      help="address of the metrics port (default: this machine only; 0.0.0.0 for a remote scraper)")
     model_name_flag(peer)
     peer.add_argument("--max_batch_size", type=int, default=8, help="rows per request")
     peer.add_argument("--max_batch_tokens", type=int, default=2048,
@@ -127,6 +139,17 @@ def _parser() -> argparse.ArgumentParser:
     swarm_flags(status, joining=True, new_swarm=False)
     model_name_flag(status)
     status.set_defaults(func=_cmd_status)
+
+    monitor = sub.add_parser("monitor", help="a live web map of the swarm (coverage, peers, plans) and its JSON")
+    monitor.add_argument("models", nargs="+", metavar="MODEL",
+                         help="models to show: folders, hub ids (from the local cache) or names in the swarm")
+    swarm_flags(monitor, joining=True, new_swarm=False)
+    monitor.add_argument("--host", default="127.0.0.1",
+                         help="address the web page listens on (default: this machine only; 0.0.0.0 shows it to "
+                              "others, who then see what these credentials read)")
+    monitor.add_argument("--port", type=int, default=8000, help="web port (0: any free port, printed)")
+    monitor.add_argument("--refresh", type=float, default=5.0, help="seconds between readings of the swarm")
+    monitor.set_defaults(func=_cmd_monitor)
 
     gen = sub.add_parser("generate", help="generate text through the swarm (token ids never leave this machine)")
     gen.add_argument("model_dir", metavar="MODEL", help=MODEL_HELP + "; the embeddings, head and tokenizer.json run "
@@ -173,7 +196,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _cmd_dht(args: argparse.Namespace) -> int:
     from peers.core.access import load_admission, load_identity
-    from swarm.discovery import start_node, visible_maddrs
+    from swarm.discovery import lan_presence, start_node, visible_maddrs
     from swarm.revocations import keep_revocations, serve_until
 
     swarm = swarm_config(args)
@@ -186,12 +209,17 @@ def _cmd_dht(args: argparse.Namespace) -> int:
             identity_path=swarm.identity_path, record_validator=admission.record_validator(), nat=swarm.nat(),
         )
         revocations = asyncio.ensure_future(keep_revocations(node, admission, period=15.0))
+        lan = None
         try:
             maddrs = await visible_maddrs(node)
             print(f"To connect other peers to this one, use --initial_peers {' '.join(maddrs)}", flush=True)
             print(f"This is a {admission.describe()}", flush=True)
+            if swarm.lan:  # peers and clients with no --initial_peers on this LAN find it
+                lan = await lan_presence(node, swarm.host_maddrs)
             await serve_until(stop, revocations)  # or raise: our own certificate was revoked or expired
         finally:
+            if lan is not None:
+                await lan.close()
             revocations.cancel()
             await asyncio.wait([revocations])
             await node.shutdown()
@@ -217,6 +245,7 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         require_encryption=not args.allow_plaintext, trainers=parse_trainers(args.trainers),
         checkpoint_dir=args.checkpoint_dir, backup=args.backup, max_blocks=args.max_blocks,
         follow_plans=args.follow_plans, control_socket=args.control_socket, organise=args.organise,
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host,
     )
     if args.num_threads:
         import torch
@@ -242,37 +271,18 @@ def _cmd_move(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from peers.cli.status import print_status
-    from swarm.discovery import fetch_plans, fetch_records, start_node
+    from peers.cli.status import model_name_and_blocks, print_status, start_reader
+    from swarm.discovery import fetch_swarm
 
-    swarm = swarm_config(args)
+    swarm = lan_swarm(swarm_config(args))
     if not swarm.initial_peers:
         raise ValueError("pass --initial_peers: the line `swarm dht` printed")
-    name, total = args.model, None
-    try:
-        model_path: Path | None = resolve_model(args.model)
-    except ValueError:
-        model_path = None  # a name in the swarm (with no folder here)
-    if model_path is not None and (model_path / "config.json").is_file():
-        from peers.model import ModelConfig
-
-        config = ModelConfig.from_dir(model_path)
-        name, total = config.name, config.num_layers
-    elif HUB_ID.fullmatch(args.model) and not args.model_name:
-        resolve_model(args.model)  # raises: not cached, saying how to get it (or pass the swarm's name)
-    name = args.model_name or name
-
-    from peers.core.access import load_admission, load_identity
-
-    identity = load_identity(swarm)
-    admission = load_admission(swarm, identity)
+    name, total = model_name_and_blocks(args.model, args.model_name)
 
     async def snapshot():
-        node = await start_node(initial_peers=swarm.initial_peers, host_maddrs=swarm.host_maddrs, client_mode=True,
-                                identity=identity, record_validator=admission.record_validator(), nat=swarm.nat())
+        node = await start_reader(swarm)
         try:
-            records = await asyncio.wait_for(fetch_records(node, name), swarm.dht_timeout)
-            return records, await asyncio.wait_for(fetch_plans(node, name), swarm.dht_timeout)
+            return await fetch_swarm(node, name, swarm.dht_timeout)
         finally:
             await node.shutdown()
 
@@ -282,13 +292,37 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_monitor(args: argparse.Namespace) -> int:
+    from peers.cli.status import model_name_and_blocks, start_reader
+    from peers.monitor.app import Monitor, serve_monitor
+
+    swarm = lan_swarm(swarm_config(args))
+    if not swarm.initial_peers:
+        raise ValueError("pass --initial_peers: the line `swarm dht` printed")
+    if args.refresh <= 0:
+        raise ValueError(f"--refresh must be positive, got {args.refresh}")
+    models = [model_name_and_blocks(model) for model in args.models]
+
+    async def run(stop: asyncio.Event) -> None:
+        node = await start_reader(swarm)
+        try:
+            monitor = Monitor(node, models, refresh=args.refresh, private=swarm.credentials_path is not None,
+                              dht_timeout=swarm.dht_timeout)
+            await serve_monitor(monitor, args.host, args.port, stop)
+        finally:
+            await node.shutdown()
+
+    _run_until_signal(run)
+    return 0
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from peers.client.generation import SamplingConfig
     from peers.client.swarm_client import SwarmClient
     from peers.client.textgen import stream_text
     from peers.core.config import ClientConfig
 
-    swarm = swarm_config(args)
+    swarm = lan_swarm(swarm_config(args))
     if not swarm.initial_peers:
         raise ValueError("pass --initial_peers: the line `swarm dht` printed")
     sample = any(x is not None for x in (args.temperature, args.top_k, args.top_p))

@@ -28,6 +28,7 @@ from privacy.peer_ids import peer_id_of
 READY_PEER = re.compile(r"Serving blocks (\d+):(\d+) of \S+ as peer (\w+)")
 READY_BACKUP = re.compile(r"Backup peer (\w+) of \S+ ready")
 READY_DHT = re.compile(r"--initial_peers (.+)$", re.MULTILINE)
+READY_MONITOR = re.compile(r"Monitor at (http://\S+/) ")
 LOOPBACK = "127.0.0.1"
 
 
@@ -116,14 +117,18 @@ class SwarmProcess:
 class LocalSwarm:
     """A bootstrap peer plus stage peers on 127.0.0.1; a context manager that stops all of them.
 
+    Processes find each other through ``initial_peers`` only (the bootstrap peer runs with ``--no_mdns``), so that
+    several swarms on one machine stay apart; with ``lan``, peers started before any bootstrap peer get no
+    ``--initial_peers`` and find each other on the LAN (mDNS, ``swarm.lan``).
+
     With ``train``, every peer allows the swarm's trainer (``--trainers``, the peer id of ``trainer_config()``'s
     identity file) unless ``start_peer(trainers=...)`` says otherwise; without it, peers train for nobody.
     """
 
     def __init__(self, workdir: Path, *, update_period: float = 2.0, num_threads: int | None = 1,
-                 private: bool = False, train: bool = False) -> None:
+                 private: bool = False, train: bool = False, lan: bool = False) -> None:
         self.workdir = Path(workdir)
-        self.update_period, self.num_threads, self.train = update_period, num_threads, train
+        self.update_period, self.num_threads, self.train, self.lan = update_period, num_threads, train, lan
         self.processes: list[SwarmProcess] = []
         self.initial_peers: list[str] = []
         self.owner = SwarmOwner.generate() if private else None  # a private swarm: every process is invited
@@ -179,8 +184,8 @@ class LocalSwarm:
     def start_dht(self, timeout: float = 60.0, host: Placement | None = None) -> list[str]:
         """The bootstrap peer (in ``host`` if given, listening on its address); returns ``initial_peers``."""
         address = host.address if host is not None else LOOPBACK
-        proc = self._spawn(["dht", "--host_maddrs", f"/ip4/{address}/tcp/0", *self.member_flags("dht")], "dht",
-                           host)
+        proc = self._spawn(["dht", "--host_maddrs", f"/ip4/{address}/tcp/0", *self.member_flags("dht"),
+                            *([] if self.lan else ["--no_mdns"])], "dht", host)
         line = proc.wait_for(READY_DHT, timeout).group(1)
         self.initial_peers = [m for m in line.split() if m.startswith(f"/ip4/{address}/")] or line.split()
         return self.initial_peers
@@ -201,14 +206,14 @@ class LocalSwarm:
         """A stage peer; ``trainers`` is its ``--trainers`` (None: the swarm's trainer with ``train``, else none;
         "": none); in ``host`` if given, listening on ``/ip4/ADDRESS/tcp/0`` (unless ``extra`` has
         ``--host_maddrs``)."""
-        if not self.initial_peers:
-            raise RuntimeError("call start_dht() first")
+        if not self.initial_peers and not self.lan:
+            raise RuntimeError("call start_dht() first (or make the LocalSwarm with lan=True)")
         blocks = ["--block_indices", block_indices] if block_indices else \
             ["--num_blocks", str(num_blocks)] if num_blocks is not None else []  # none: --backup in extra
         if trainers is None:
             trainers = self.trainer_id() if self.train else ""
         args = [
-            "peer", str(model_dir), "--initial_peers", *self.initial_peers, *blocks,
+            "peer", str(model_dir), *(["--initial_peers", *self.initial_peers] if self.initial_peers else []), *blocks,
             "--update_period", str(self.update_period), "--cache_dir", str(self.workdir / "cache"),
             *(["--num_threads", str(self.num_threads)] if self.num_threads else []),
             *(["--trainers", trainers] if trainers else []), *host_flags(host, extra), *extra,
@@ -218,6 +223,14 @@ class LocalSwarm:
         if wait:
             self.wait_ready(proc, timeout)
         return proc
+
+    def start_monitor(self, models: Sequence[str | Path], *, refresh: float = 1.0, extra: Sequence[str] = (),
+                      timeout: float = 60.0) -> tuple[SwarmProcess, str]:
+        """``swarm monitor`` of ``models`` on a free port of 127.0.0.1 (a member's credentials in a private swarm):
+        the process and the page's URL."""
+        proc = self._spawn(["monitor", *map(str, models), "--initial_peers", *self.initial_peers, "--port", "0",
+                            "--refresh", str(refresh), *self.member_flags("monitor"), *extra], "monitor")
+        return proc, proc.wait_for(READY_MONITOR, timeout).group(1)
 
     @staticmethod
     def wait_ready(proc: SwarmProcess, timeout: float = 120.0) -> tuple[int, int, str]:

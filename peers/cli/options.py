@@ -74,7 +74,29 @@ def swarm_flags(parser: argparse.ArgumentParser, *, joining: bool, new_swarm: bo
     parser.add_argument("--revocations", type=Path, default=None,
                         help="a private swarm's revocation file from `swarm revoke` (members also spread it) "
                              "(default: none)")
+    parser.add_argument("--no_mdns", dest="mdns", action="store_false",
+                        help="with no --initial_peers, do not look for the swarm on the LAN nor advertise this node "
+                             "there (mDNS; default: on in a public swarm with no --initial_peers; listen on the LAN "
+                             "with --host_maddrs /ip4/0.0.0.0/tcp/0)")
     nat_flags(parser, role)
+
+
+def lan_swarm(swarm: SwarmConfig) -> SwarmConfig:
+    """``swarm`` with the initial peers found on the LAN if it has none (``SwarmConfig.lan``); a client's, so
+    ``ValueError`` if none answers, saying what to do."""
+    if not swarm.lan:
+        return swarm
+    import asyncio
+    import dataclasses
+
+    from swarm.lan import FIND_WAIT, find_swarm
+
+    found = asyncio.run(find_swarm(swarm.host_maddrs))
+    if not found:
+        raise ValueError(f"no swarm answered on the LAN within {FIND_WAIT:g} s (mDNS on "
+                         f"{' '.join(swarm.host_maddrs)}): pass --initial_peers (the line `swarm dht` printed), or "
+                         f"start peers with --host_maddrs /ip4/0.0.0.0/tcp/0 on this LAN (and this command too)")
+    return dataclasses.replace(swarm, initial_peers=tuple(found))
 
 
 def nat_flags(parser: argparse.ArgumentParser, role: str) -> None:
@@ -122,4 +144,5 @@ def swarm_config(args: argparse.Namespace) -> SwarmConfig:
         force_reachability=None if args.force_reachability == "auto" else args.force_reachability,
         relays=tuple(args.relays),
         client_mode=getattr(args, "client_mode", False),
+        mdns=args.mdns,
     )

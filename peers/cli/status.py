@@ -2,13 +2,47 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rich.console import Console
 from rich.table import Table
 
+from peers.core.config import SwarmConfig
+from peers.model.hub import HUB_ID, resolve_model
 from swarm.block_selection import missing_blocks
+from swarm.discovery import SwarmNode, start_node
 from swarm.plan.route import live
 from swarm.plan.types import Group, Plan
 from swarm.records import PeerRecord, PeerState
+
+
+def model_name_and_blocks(model: str, model_name: str | None = None) -> tuple[str, int]:
+    """The swarm name of ``model`` (a folder, a cached hub id or a name in the swarm) and its number of blocks (0:
+    unknown here, a name with no folder); ``model_name`` overrides the name."""
+    name, total = model, 0
+    try:
+        model_path: Path | None = resolve_model(model)
+    except ValueError:
+        model_path = None  # a name in the swarm (with no folder here)
+    if model_path is not None and (model_path / "config.json").is_file():
+        from peers.model import ModelConfig
+
+        config = ModelConfig.from_dir(model_path)
+        name, total = config.name, config.num_layers
+    elif HUB_ID.fullmatch(model) and not model_name:
+        resolve_model(model)  # raises: not cached, saying how to get it (or pass the swarm's name)
+    return model_name or name, total
+
+
+async def start_reader(swarm: SwarmConfig) -> SwarmNode:
+    """A DHT client that reads the swarm with this config's credentials (a private swarm's records, if a member)."""
+    from peers.core.access import load_admission, load_identity
+
+    identity = load_identity(swarm)
+    admission = load_admission(swarm, identity)
+    return await start_node(initial_peers=swarm.initial_peers, host_maddrs=swarm.host_maddrs, client_mode=True,
+                            identity=identity, record_validator=admission.record_validator(), nat=swarm.nat())
+
 
 _STATE_STYLE = {
     PeerState.ONLINE: "green",

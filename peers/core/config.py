@@ -46,6 +46,9 @@ class SwarmConfig:
     relays: tuple[str, ...] = ()  # trusted relays (full multiaddrs); default: the initial peers
     client_mode: bool = False  # a DHT client that only dials out (clients and trainers always are)
     check_reachability: bool = True  # a serving peer asks its initial peers to dial it back before it joins
+    # with no initial peers, find the swarm on the LAN (a peer: else refused, unless ``new_swarm``) and advertise
+    # there (peers, bootstrap peers; a client only listens): ``swarm.lan``
+    mdns: bool = True
 
     def __post_init__(self) -> None:
         self.initial_peers = tuple(self.initial_peers)
@@ -65,6 +68,12 @@ class SwarmConfig:
             raise ValueError("--revocations applies to a private swarm: pass --private CREDENTIALS too")
         self.relays = tuple(self.relays)
         self.nat()  # checks the relay options
+
+    @property
+    def lan(self) -> bool:
+        """Whether this node finds the swarm on the LAN (mDNS): none of ``initial_peers`` given, ``mdns`` on, and a
+        public swarm (a private swarm's nodes advertise nothing on the LAN)."""
+        return self.mdns and not self.initial_peers and self.credentials_path is None
 
     def nat(self) -> NatOptions:
         """The relay and NAT options of this node's p2p daemon."""
@@ -106,9 +115,13 @@ class StageServerConfig:
     follow_plans: bool = True
     organise: bool = False  # take part in the swarm-wide plan (private: the broker's; public: its own), not only runs'
     control_socket: Path | None = None
+    metrics_port: int = 0  # Prometheus /metrics on this port (``peers.server.metrics``); 0: off
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics_port must be in 0..65535 (0: off), got {self.metrics_port}")
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"{self.model_dir} has no config.json: pass a Hugging Face model folder")
         if self.backup and (self.block_indices is not None or self.num_blocks is not None):
@@ -128,8 +141,10 @@ class StageServerConfig:
             raise ValueError(f"--torch_dtype must be one of {[*DTYPES, 'auto']}, got {self.torch_dtype!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"--device {self.device}: CUDA is not available on this machine; use --device cpu")
-        if not self.swarm.new_swarm and not self.swarm.initial_peers:
-            raise ValueError("pass --initial_peers (the line `swarm dht` printed) or --new_swarm to start a swarm")
+        if not self.swarm.new_swarm and not self.swarm.initial_peers and not self.swarm.lan:
+            raise ValueError("pass --initial_peers (the line `swarm dht` printed) or --new_swarm to start a swarm"
+                             + (" (a private swarm is never found on the LAN)" if self.swarm.mdns else
+                                " (or drop --no_mdns to find the swarm on the LAN)"))
         for name in ("max_batch_size", "max_batch_tokens", "max_request_bytes", "request_timeout", "update_period",
                      "cache_tokens", "session_timeout"):
             if getattr(self, name) <= 0:

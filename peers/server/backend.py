@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from peers.server import metrics
 from peers.server.kv_sessions import Session
 
 logger = logging.getLogger(__name__)
@@ -182,6 +183,7 @@ class StageBackend:
     @torch.inference_mode()
     def _compute_forward(self, batch: list[_Task]) -> list[torch.Tensor]:
         self.batches_run += 1
+        metrics.batch_done("forward", len(batch), sum(len(t.hidden) for t in batch))
         hidden = torch.cat([t.hidden for t in batch]).to(self.device, self.dtype)
         batch_size, seq_len = hidden.shape[:2]
         position_ids = torch.arange(seq_len, device=self.device).expand(batch_size, seq_len)
@@ -195,6 +197,7 @@ class StageBackend:
         self.batches_run += 1
         self.inference_batches += 1
         self.inference_steps += len(batch)
+        metrics.batch_done("inference", len(batch), sum(len(t.hidden) for t in batch))
         sessions = [t.session for t in batch]
         hidden = torch.cat([t.hidden for t in batch]).to(self.device, self.dtype)
         new = hidden.shape[1]

@@ -56,6 +56,7 @@ class Call:
     requests: IncomingFrames
     caller: str  # the caller's peer id
     stream: StreamState
+    kind: str = "unknown"  # the request's message type, once parsed (``peers.server.metrics``)
 
 
 @dataclass(eq=False)

@@ -40,6 +40,7 @@ from peers.server.control import close_control, serve_control
 from peers.server.handler import StageHandler
 from peers.server.kv_sessions import SessionRegistry
 from peers.server.memory import block_bytes, free_bytes, holdable_blocks
+from peers.server.metrics import serve_metrics
 from peers.server.plan_follower import plan_following
 from peers.server.prober import LinkProber
 from peers.server.span_loading import assemble, fetch_trained, has_checkpoint, load_new_blocks
@@ -49,8 +50,9 @@ from peers.wire.links import PeerLinks
 from peers.wire.messages import StageInfo
 from swarm.announcer import Announcer
 from swarm.block_selection import choose_blocks
-from swarm.discovery import fetch_records, start_node, visible_maddrs
+from swarm.discovery import fetch_records, lan_presence, start_node, visible_maddrs
 from swarm.keys import check_model_name
+from swarm.lan import FIND_WAIT, find_swarm
 from swarm.links import LinkTable
 from swarm.measure import Compute, cached_compute
 from swarm.records import PeerRecord, PeerState
@@ -108,8 +110,18 @@ class StageServer:
         self.identity = load_identity(swarm)  # our peer id; signs our handshakes
         self.admission = load_admission(swarm, self.identity)  # who may call us; signs and seals our records
         self._moving = asyncio.Lock()
+        initial_peers = swarm.initial_peers
+        if swarm.lan and not swarm.new_swarm:  # no --initial_peers: the swarm on the LAN
+            initial_peers = tuple(await find_swarm(swarm.host_maddrs))
+            if not initial_peers:
+                raise ValueError(
+                    f"no swarm answered on the LAN within {FIND_WAIT:g} s (mDNS on {' '.join(swarm.host_maddrs)}): "
+                    f"pass --initial_peers (the line `swarm dht` printed), or --new_swarm to start one here "
+                    f"(advertised on the LAN); to be found by other machines, listen with --host_maddrs "
+                    f"/ip4/0.0.0.0/tcp/0")
+            logger.info("Found %d node address(es) on the LAN (mDNS)", len(initial_peers))
         self.node = await start_node(
-            initial_peers=swarm.initial_peers,
+            initial_peers=initial_peers,
             host_maddrs=swarm.host_maddrs,
             announce_maddrs=swarm.announce_maddrs,
             identity=self.identity,
@@ -118,8 +130,10 @@ class StageServer:
             client_mode=swarm.client_mode, nat=swarm.nat(),
             check_reachability=swarm.check_reachability,  # others must dial us (directly or through a relay)
         )
-        self.announcer = handler = reaper = self.links = probing = control = None
+        self.announcer = handler = reaper = self.links = probing = control = lan = None
         try:
+            if swarm.lan:  # advertised on the LAN; meets nodes that started their own swarm there at the same time
+                lan = await lan_presence(self.node, swarm.host_maddrs)
             peer_id = self.peer_id = str(self.node.peer_id)
             self.max_blocks = self._memory_blocks()
             if self.config.backup:
@@ -130,7 +144,7 @@ class StageServer:
             self.announcer = Announcer(
                 self.node, self._make_record(peer_id, start, end), period=self.config.update_period,
                 check=lambda: check_membership(self.admission),
-                refresh=lambda r: dataclasses.replace(r, links=self.link_table.best_rows()))
+                refresh=lambda r: dataclasses.replace(r, links=self.link_table.best_rows(), **self._cache_use()))
             await self.announcer.start()  # JOINING: other joining peers see our blocks and choose others
             self.links = PeerLinks(self.node.p2p, self.admission, timeout=self.config.request_timeout,
                                    observe=self.link_table.observe)
@@ -166,6 +180,8 @@ class StageServer:
             probing = asyncio.create_task(self._prober(peer_id, self.links, self.announcer).run())
             if self.config.control_socket is not None:
                 control = await serve_control(self.config.control_socket, self)
+            if self.config.metrics_port:
+                serve_metrics(self, self.config.metrics_port, self.config.metrics_host)
             if self.config.backup:
                 logger.info("Backup peer %s of %s ready (up to %d blocks, %.0f tokens/s per block): no blocks "
                             "loaded until it is moved; addresses: %s", peer_id, self.model_name, self.max_blocks,
@@ -179,6 +195,8 @@ class StageServer:
             await serve_until(stop, reaper)  # or raise MembershipError: our certificate was revoked or expired
             logger.info("Shutting down: announcing offline")
         finally:
+            if lan is not None:
+                await _quietly(lan.close(), "stop advertising on the LAN")
             if control is not None:
                 await close_control(control, self.config.control_socket)  # type: ignore[arg-type]
             if probing is not None:
@@ -329,6 +347,11 @@ class StageServer:
         assert self.announcer is not None
         await self.announcer.publish(state=state, start=start, end=end, max_blocks=self.max_blocks)
         self.record = self.announcer.record
+
+    def _cache_use(self) -> dict[str, int]:
+        """The record's cache figures now (none for a backup: it holds no cache)."""
+        sessions = self._stage.sessions if self._stage is not None else None
+        return {} if sessions is None else {"cache_tokens": sessions.cache_tokens, "cache_used": sessions.tokens_used}
 
     # ---- building a span --------------------------------------------------------------------------
     def _sessions(self) -> SessionRegistry:

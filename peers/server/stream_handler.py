@@ -21,6 +21,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from peers.core.aio import deadline
+from peers.server import metrics
 from peers.server.backend import StageBackend
 from peers.server.calls import (
     Call,
@@ -129,9 +130,10 @@ class StreamHandler(StreamCalls):
         sessions are freed by the registry's timeout), so a client never meets a stream that died in silence.
         """
         caller = str(info.peer_id)
-        out = FrameWriter(writer)
+        out = FrameWriter(writer, peer=caller)
         if refusal := self._too_many_streams(caller):
             logger.info("Refused a stream from %s: %s", short_id(caller), refusal)
+            metrics.stream_refused()
             with contextlib.suppress(ConnectionError, OSError):
                 await out.send(encode(RPCError(message=refusal), ERROR))
             return out.close()
@@ -217,6 +219,7 @@ class StreamHandler(StreamCalls):
             while (message := await requests.get()) is not None:
                 stream.busy = True
                 call = Call(message, requests, caller, stream)
+                started = time.perf_counter()
                 try:
                     responses = await self._dispatch(call)
                 except (RequestError, ValueError, asyncio.TimeoutError) as e:
@@ -226,6 +229,7 @@ class StreamHandler(StreamCalls):
                     responses = [reply(error=f"internal error: {type(e).__name__}: {e}")]
                 finally:
                     stream.busy = False
+                metrics.request_done(call.kind, responses, started)
                 yield responses
         finally:
             for session_id, session in stream.owned.items():
@@ -241,6 +245,7 @@ class StreamHandler(StreamCalls):
             await self.skip_tensor(call)
             logger.info("Refused a request from %s: %s", short_id(call.caller), e)
             return [reply(error=str(e))]
+        call.kind = type(request).__name__
         if isinstance(request, InferenceHello):
             return [self._hello(request, call.stream, call.caller)]
         refusal = self._refusal(call.stream)

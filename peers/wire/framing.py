@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError, Message
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from peers.core.aio import deadline
-from peers.wire import activity
+from peers.wire import activity, traffic
 
 logger = logging.getLogger(__name__)
 
@@ -90,14 +90,16 @@ def encode(message: Message, marker: bytes = MESSAGE) -> bytes:
 class FrameWriter:
     """Writes whole frames to a stream; ``drain`` is serialised so that concurrent writers wait their turn."""
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
-        self.writer = writer
+    def __init__(self, writer: asyncio.StreamWriter, peer: str = "") -> None:
+        self.writer, self.peer = writer, peer  # ``peer``: whom the bytes go to (``peers.wire.traffic``)
         self._lock = asyncio.Lock()
         self.last_write = 0.0  # loop time of the last frame written
 
     async def send(self, *frames: bytes) -> None:
         """Write ``frames`` back to back (nothing else comes between them), then wait for the buffer to drain."""
-        self.writer.write(b"".join(frames))
+        data = b"".join(frames)
+        self.writer.write(data)
+        traffic.counted("out", self.peer, len(data))
         self.last_write = asyncio.get_running_loop().time()
         async with self._lock:
             await self.writer.drain()
@@ -172,6 +174,7 @@ class IncomingFrames(Generic[P]):
                     break
                 marker, payload = frame
                 self._alive()
+                traffic.counted("in", self.peer, HEADER_BYTES + 1 + len(payload))
                 if marker == ERROR:  # hivemind's end-of-stream is an empty error; anything else is the peer's error
                     self.end = StreamEnd(parse_error(payload))
                     break

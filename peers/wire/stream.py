@@ -170,7 +170,8 @@ class PeerStream:
     def _start(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._replies = IncomingFrames(reader, runtime_pb2.ExpertResponse, max_queued=64,
                                        name=f"stream to peer {short_id(self.peer_id)}", peer=self.peer_id)
-        self._out = FrameWriter(writer)  # closed when the reader ends: the end-of-stream frame is only a half-close
+        # closed when the reader ends: the end-of-stream frame is only a half-close
+        self._out = FrameWriter(writer, peer=self.peer_id)
         self._writer = asyncio.create_task(self._write(self._out))
         self._reader = asyncio.create_task(self._read(self._frames()))
 

@@ -223,7 +223,7 @@ def test_from_wire_invalid_field(changes, match):
     "extra",
     [
         {"gpu_memory": 24e9},
-        {"cache_tokens": 4096, "regions": ["eu", "us"]},
+        {"disk_tokens": 4096, "regions": ["eu", "us"]},  # (cache_tokens is a field now)
         {"nested": {"a": [1, 2, {"b": None}]}},
     ],
 )
