@@ -3,14 +3,17 @@ that others may read are made 0600, with a warning (issue 15, finding 9)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 import stat
-import subprocess
-import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from peers.cli import main
 from privacy.files import append_private, secure_existing, write_private
 
 
@@ -18,10 +21,23 @@ def mode(path: Path) -> int:
     return stat.S_IMODE(os.stat(path).st_mode)
 
 
-def swarm(*args: str, umask: int = 0o022) -> subprocess.CompletedProcess:
-    """Run ``swarm ARGS`` (no network: keygen, identity, invite, revoke without --initial_peers)."""
-    done = subprocess.run([sys.executable, "-m", "peers.cli", *args], capture_output=True, text=True, umask=umask,
-                          stdin=subprocess.DEVNULL, timeout=120)
+def swarm(*args: str, umask: int = 0o022) -> SimpleNamespace:
+    """Run ``swarm ARGS`` in this process under ``umask`` (no network: keygen, identity, invite, revoke without
+    --initial_peers); its stdout and stderr (where its logging goes) as a subprocess's would be. The loggers the
+    command sets up are put back afterwards, so that later tests' caplog still sees their records."""
+    loggers = [logging.getLogger(name) for name in ("peers", "swarm", "privacy", "hivemind")]
+    saved = [(lg.handlers[:], lg.level, lg.propagate) for lg in loggers]
+    out, err = io.StringIO(), io.StringIO()
+    old = os.umask(umask)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        os.umask(old)
+        for lg, (handlers, level, propagate) in zip(loggers, saved, strict=True):
+            lg.handlers[:], lg.propagate = handlers, propagate
+            lg.setLevel(level)
+    done = SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
     assert done.returncode == 0, done.stdout + done.stderr
     return done
 
