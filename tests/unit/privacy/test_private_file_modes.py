@@ -3,9 +3,6 @@ that others may read are made 0600, with a warning (issue 15, finding 9)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
-import logging
 import os
 import stat
 from pathlib import Path
@@ -13,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from peers.cli import main
 from privacy.files import append_private, secure_existing, write_private
 
 
@@ -21,29 +17,20 @@ def mode(path: Path) -> int:
     return stat.S_IMODE(os.stat(path).st_mode)
 
 
-def swarm(*args: str, umask: int = 0o022) -> SimpleNamespace:
-    """Run ``swarm ARGS`` in this process under ``umask`` (no network: keygen, identity, invite, revoke without
-    --initial_peers); its stdout and stderr (where its logging goes) as a subprocess's would be. The loggers the
-    command sets up are put back afterwards, so that later tests' caplog still sees their records."""
-    loggers = [logging.getLogger(name) for name in ("peers", "swarm", "privacy", "hivemind")]
-    saved = [(lg.handlers[:], lg.level, lg.propagate) for lg in loggers]
-    out, err = io.StringIO(), io.StringIO()
-    old = os.umask(umask)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(list(args))
-    finally:
-        os.umask(old)
-        for lg, (handlers, level, propagate) in zip(loggers, saved, strict=True):
-            lg.handlers[:], lg.propagate = handlers, propagate
-            lg.setLevel(level)
-    done = SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done
+@pytest.fixture
+def swarm(swarm_cli):
+    """``swarm ARGS`` run in this process under a umask (no network: keygen, identity, invite, revoke without
+    --initial_peers), which must succeed."""
+    def run(*args: str, umask: int = 0o022) -> SimpleNamespace:
+        done = swarm_cli(*args, umask=umask)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done
+
+    return run
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o000])
-def test_finding_09_owner_commands_write_only_0600_files(tmp_path, umask):
+def test_finding_09_owner_commands_write_only_0600_files(swarm, tmp_path, umask):
     owner_key, member_id, credentials = tmp_path / "owner.key", tmp_path / "alice.id", tmp_path / "alice.member"
     swarm("keygen", "--owner_key", str(owner_key), umask=umask)
     swarm("identity", "--identity_path", str(member_id), umask=umask)
@@ -57,7 +44,7 @@ def test_finding_09_owner_commands_write_only_0600_files(tmp_path, umask):
     assert not list(tmp_path.glob(".*.tmp"))  # no temporary files left behind
 
 
-def test_finding_09_readable_ledger_and_revocation_are_made_0600_with_a_warning(tmp_path):
+def test_finding_09_readable_ledger_and_revocation_are_made_0600_with_a_warning(swarm, tmp_path):
     owner_key, member_id = tmp_path / "owner.key", tmp_path / "bob.id"
     ledger, revocation = Path(f"{owner_key}.members.jsonl"), Path(f"{owner_key}.revocation")
     swarm("keygen", "--owner_key", str(owner_key))
