@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import torch
@@ -50,13 +48,11 @@ def test_killed_peer_expires_and_replica_serves(fresh_swarm, llama_dir):
         assert (client.forward(input_ids) - expected).abs().max() < 1e-4
 
 
-def test_num_blocks_fills_the_missing_blocks(fresh_swarm, llama_dir):
+def test_num_blocks_fills_the_missing_blocks(fresh_swarm, llama_dir, swarm_cli):
     for proc in [fresh_swarm.start_peer(llama_dir, block_indices=span, wait=False) for span in ("0:2", "6:8")]:
         fresh_swarm.wait_ready(proc)
-    status = subprocess.run(
-        [sys.executable, "-m", "peers.cli", "status", str(llama_dir), "--initial_peers", *fresh_swarm.initial_peers],
-        capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"},
-    )
+    status = swarm_cli("status", str(llama_dir), "--initial_peers", *fresh_swarm.initial_peers,
+                       env={"COLUMNS": "200"})
     assert status.returncode == 0, status.stderr
     assert "missing blocks: 2:6" in status.stdout and "0:2" in status.stdout and "6:8" in status.stdout
 

@@ -4,7 +4,6 @@ client, trainer and peer are told within seconds and stop, instead of banning an
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -45,11 +44,12 @@ def _honest(swarm: LocalSwarm) -> set[str]:
     return {p.peer_id for p in swarm.processes if p.name.startswith("member")}
 
 
-def _revoke(swarm: LocalSwarm, *names: str) -> float:
+def _revoke(swarm_cli, swarm: LocalSwarm, *names: str) -> float:
+    """The owner runs ``swarm revoke --serial ... --initial_peers ...`` (in this process: ``swarm_cli``)."""
     serials = [MemberCredentials.load(swarm.workdir / "members" / f"{n}.member").certificate.serial for n in names]
-    subprocess.run([sys.executable, "-m", "peers.cli", "revoke", "--owner_key", str(swarm.workdir / "owner.key"),
-                    "--serial", *serials, "--initial_peers", *swarm.initial_peers],
-                   check=True, capture_output=True, timeout=60)
+    done = swarm_cli("revoke", "--owner_key", str(swarm.workdir / "owner.key"), "--serial", *serials,
+                     "--initial_peers", *swarm.initial_peers)
+    assert done.returncode == 0, done.stdout + done.stderr
     return time.monotonic()
 
 
@@ -65,10 +65,9 @@ def _until_refused(call, deadline: float) -> BaseException:
 
 
 @pytest.mark.timeout(180)
-def test_finding_06_an_outsider_is_told_the_swarm_is_private(members, llama_dir):
-    args = [sys.executable, "-m", "peers.cli", "generate", str(llama_dir), "--prompt", "hi", "--max_new_tokens", "2",
-            "--initial_peers", *members.initial_peers]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+def test_finding_06_an_outsider_is_told_the_swarm_is_private(members, llama_dir, swarm_cli):
+    done = swarm_cli("generate", str(llama_dir), "--prompt", "hi", "--max_new_tokens", "2", "--initial_peers",
+                     *members.initial_peers)
     assert done.returncode != 0
     assert f"{PRIVATE}: 2 sealed record(s)" in done.stderr and "--private CREDENTIALS --identity_path" in done.stderr
     assert "No online peer serves" not in done.stderr, done.stderr[-2000:]
@@ -81,7 +80,7 @@ def test_finding_06_an_outsider_is_told_the_swarm_is_private(members, llama_dir)
 
 
 @pytest.mark.timeout(240)
-def test_finding_15_a_revoked_client_and_peer_are_told_and_stop(members, llama_dir):
+def test_finding_15_a_revoked_client_and_peer_are_told_and_stop(members, llama_dir, swarm_cli):
     """Generation and forward raise ``MembershipError`` at once, with no ban of the honest peers; the revoked
     peer logs the revocation once and exits non-zero."""
     mallory = members.start_peer(llama_dir, block_indices="0:8", name="mallory", extra=["--throughput", "1"])
@@ -89,7 +88,7 @@ def test_finding_15_a_revoked_client_and_peer_are_told_and_stop(members, llama_d
         revoked.wait_for_records(3)
         prompt = torch.tensor([[1, 2, 3]])
         assert revoked.generate(prompt, 2).shape == (1, 5)
-        revoked_at = _revoke(members, "mallory", "mallory-client")
+        revoked_at = _revoke(swarm_cli, members, "mallory", "mallory-client")
         error = _until_refused(lambda: revoked.forward(prompt), revoked_at + 20)
         assert isinstance(error, MembershipError) and "revoked" in str(error), repr(error)
         started = time.monotonic()
@@ -105,14 +104,14 @@ def test_finding_15_a_revoked_client_and_peer_are_told_and_stop(members, llama_d
 
 
 @pytest.mark.timeout(240)
-def test_finding_15_a_revoked_trainer_is_told_at_once(members, llama_dir):
+def test_finding_15_a_revoked_trainer_is_told_at_once(members, llama_dir, swarm_cli):
     data = TokenBatches(encode_bytes("A private swarm trains together. " * 40), seq_len=16, micro_batch=2, seed=0)
     with _client(members, llama_dir, members.swarm_config("trainer-x")) as client:
         client.wait_for_records(2)
         trainer = SwarmTrainer(client, OptimConfig(lr=1e-3), 2, run_id="revoked-trainer")
         trainer.start()
         trainer.train_step([data.next_micro() for _ in range(2)])
-        revoked_at = _revoke(members, "trainer-x")
+        revoked_at = _revoke(swarm_cli, members, "trainer-x")
         error = _until_refused(lambda: trainer.train_step([data.next_micro() for _ in range(2)]), revoked_at + 20)
         assert isinstance(error, MembershipError) and "revoked" in str(error), repr(error)
         assert not client.router.banned() & _honest(members)

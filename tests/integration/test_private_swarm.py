@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -112,7 +110,7 @@ def test_expired_certificate_is_refused(private_swarm, llama_dir):
         _client(private_swarm, llama_dir, config)
 
 
-def test_revoked_member_is_shut_out(private_swarm, llama_dir, tmp_path):
+def test_revoked_member_is_shut_out(private_swarm, llama_dir, tmp_path, swarm_cli):
     """`swarm revoke --initial_peers` publishes; peers apply it, refuse the member and drop its records."""
     mallory = private_swarm.start_peer(llama_dir, block_indices="0:8", name="mallory")
     config = private_swarm.swarm_config("mallory-client")
@@ -123,9 +121,9 @@ def test_revoked_member_is_shut_out(private_swarm, llama_dir, tmp_path):
         assert mallory.peer_id in [r.peer_id for r in member.wait_for_records(3)]
         revoked.forward(torch.tensor([[1, 2, 3]]))
         serials = [_serial(private_swarm, name) for name in ("mallory", "mallory-client")]
-        subprocess.run([sys.executable, "-m", "peers.cli", "revoke", "--owner_key", str(owner_key),
-                        "--serial", *serials, "--initial_peers", *private_swarm.initial_peers],
-                       check=True, capture_output=True, timeout=60)
+        done = swarm_cli("revoke", "--owner_key", str(owner_key), "--serial", *serials, "--initial_peers",
+                         *private_swarm.initial_peers)
+        assert done.returncode == 0, done.stdout + done.stderr
         deadline = time.monotonic() + 20
         while mallory.peer_id in [r.peer_id for r in member.records()]:
             assert time.monotonic() < deadline, "the revoked peer's record is still served"
@@ -152,14 +150,13 @@ def _serial(swarm: LocalSwarm, name: str) -> str:
     return MemberCredentials.load(swarm.workdir / "members" / f"{name}.member").certificate.serial
 
 
-def test_generate_command_with_private(private_swarm, llama_dir):
-    """`swarm generate --private CREDENTIALS` as a newcomer would type it."""
+def test_generate_command_with_private(private_swarm, llama_dir, swarm_cli):
+    """`swarm generate --private CREDENTIALS` as a newcomer would type it (run in this process: ``swarm_cli``)."""
     identity_path, credentials_path = private_swarm.member_files("cli-user")
-    args = [sys.executable, "-m", "peers.cli", "generate", str(llama_dir), "--prompt", "hello", "--max_new_tokens",
-            "4", "--initial_peers", *private_swarm.initial_peers, "--identity_path", str(identity_path),
-            "--private", str(credentials_path)]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    args = ["generate", str(llama_dir), "--prompt", "hello", "--max_new_tokens", "4", "--initial_peers",
+            *private_swarm.initial_peers, "--identity_path", str(identity_path), "--private", str(credentials_path)]
+    done = swarm_cli(*args)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("hello")
-    outsider = subprocess.run(args[:-4], capture_output=True, text=True, timeout=120)
+    outsider = swarm_cli(*args[:-4])
     assert outsider.returncode != 0 and "private swarm" in outsider.stderr

@@ -94,12 +94,13 @@ def test_a_rerun_with_the_same_run_id_resumes(stage_swarm, llama_dir, tmp_path):
     assert done.returncode == 2 and "seq_len=32 -> 16" in done.stderr and "--run_id NEW" in done.stderr
 
 
-def test_spans_that_do_not_tile_the_model_are_a_clear_error(fresh_swarm, llama_dir, tmp_path):
-    for span in ("0:3", "6:8"):
-        fresh_swarm.start_peer(llama_dir, block_indices=span)
+def test_spans_that_do_not_tile_the_model_are_a_clear_error(fresh_swarm, llama_dir, tmp_path, swarm_cli):
+    for proc in [fresh_swarm.start_peer(llama_dir, block_indices=span, wait=False) for span in ("0:3", "6:8")]:
+        fresh_swarm.wait_ready(proc)
     config = _write_config(tmp_path / "gap.toml", llama_dir)
-    done, summary = _train(fresh_swarm, config, "--wait_peers", "3")
-    assert done.returncode == 2 and summary is None
+    done = swarm_cli("train", str(config), "--initial_peers", *fresh_swarm.initial_peers, *fresh_swarm.trainer_flags(),
+                     "--eval_windows", "8", "--wait_peers", "3")  # in this process: no training to do
+    assert done.returncode == 2 and "summary " not in done.stdout
     assert "(0:3, 6:8) do not tile blocks 0:8" in done.stderr
     assert "--block_indices" in done.stderr and "then rerun" in done.stderr
 

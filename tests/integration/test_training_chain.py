@@ -4,11 +4,10 @@ topologies; a push from a peer the run did not name is refused; a stage killed m
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import shutil
 
 import pytest
 import torch
-from torch.nn.utils import vector_to_parameters
 
 from peers.cli.launch import LocalSwarm, SwarmProcess
 from peers.client.swarm_client import SwarmClient
@@ -17,17 +16,20 @@ from peers.trainer import chain
 from peers.trainer.swarm_trainer import SwarmTrainer
 from peers.training import LocalTrainer, OptimConfig, TokenBatches, encode_bytes
 from peers.wire.errors import RequestError
-from peers.wire.messages import ParamsFetch, TrainPush
+from peers.wire.messages import TrainPush
 
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=1, schedule="cosine", total_steps=6, clip_norm=1.0, weight_decay=0.01)
 TEXT = "Each stage hands its output to the next one; the trainer sees the ends of the chain only. " * 40
-THREE = ("0:3", "3:6", "6:8")
 STEPS, ACCUMULATION = 3, 3
 
 
-def _peers(swarm: LocalSwarm, llama_dir, spans: dict[str, str]) -> dict[str, SwarmProcess]:
+def _peers(swarm: LocalSwarm, llama_dir, spans: dict[str, str], copy_dir=None) -> dict[str, SwarmProcess]:
+    """Peers ``spans`` of the model, started together (with ``copy_dir``, the same spans of that model too)."""
     procs = {name: swarm.start_peer(llama_dir, block_indices=span, wait=False, name=name)
              for name, span in spans.items()}
+    if copy_dir is not None:
+        procs.update({f"{name}-copy": swarm.start_peer(copy_dir, block_indices=span, wait=False, name=f"{name}-copy")
+                      for name, span in spans.items()})
     for proc in procs.values():
         swarm.wait_ready(proc)
     return procs
@@ -48,34 +50,23 @@ def _hidden_bytes(micro: torch.Tensor) -> int:
 
 
 @pytest.fixture(scope="module")
-def three_stage_swarm(llama_dir, tmp_path_factory) -> Iterator[tuple[LocalSwarm, dict[str, SwarmProcess]]]:
-    """Three stage peers shared by the module's tests that kill none (a reference takes the weights they serve)."""
-    with LocalSwarm(tmp_path_factory.mktemp("three_stages"), update_period=1.0, train=True) as swarm:
-        swarm.start_dht()
-        yield swarm, _peers(swarm, llama_dir, {f"stage{i}": span for i, span in enumerate(THREE)})
-
-
-def _reference(client: SwarmClient, llama_dir, procs: dict[str, SwarmProcess]) -> LocalTrainer:
-    """One process with the model's embedding and head and the blocks the stages serve now (earlier tests of the
-    module may have trained them): exactly their parameters, fetched from them."""
-    reference = LocalTrainer(llama_dir, OPTIM, ACCUMULATION, stages=[(0, 3), (3, 6), (6, 8)])
-    for i, block in enumerate(reference.blocks):
-        proc = procs[f"stage{i}"]
-        stream = client.loop.run(client.peer_stream(proc.peer_id))
-        _, flat = client.loop.run(stream.call(ParamsFetch(start=proc.blocks[0], end=proc.blocks[1]), None, 10))
-        with torch.no_grad():
-            vector_to_parameters(flat, block.parameters())
-    return reference
+def three_stage_swarm(train_stages) -> tuple[LocalSwarm, dict[str, SwarmProcess]]:
+    """Three stage peers (0:3, 3:6, 6:8) shared by the module's tests that kill none, and by other modules
+    (``conftest.py``): a reference takes the weights they serve now."""
+    return train_stages
 
 
 @pytest.mark.parametrize("topology, in_flight, recompute", [("chain", 3, False), ("chain", 2, True),
                                                             ("star", 1, False)])
-def test_three_stages_train_like_one_process(three_stage_swarm, llama_dir, topology, in_flight, recompute):
+def test_three_stages_train_like_one_process(three_stage_swarm, served_weights, llama_dir, topology, in_flight,
+                                             recompute):
     """Losses equal one process; the trainer sends 2 hidden states per micro-batch in a chain, 2 per stage in a
     star; a middle stage's stream from the trainer carries metadata only in a chain."""
     swarm, procs = three_stage_swarm
     with _client(swarm, llama_dir, 3) as client:
-        reference = _reference(client, llama_dir, procs)
+        # one process with the model's embedding and head and exactly the blocks the stages serve now
+        reference = LocalTrainer(llama_dir, OPTIM, ACCUMULATION, stages=[(0, 3), (3, 6), (6, 8)])
+        served_weights(client, reference, procs)
         trainer = SwarmTrainer(client, OPTIM, ACCUMULATION, in_flight=in_flight, recompute=recompute,
                                run_id=f"three-{topology}-{recompute}", topology=topology)
         trainer.start()
@@ -103,24 +94,27 @@ def test_three_stages_train_like_one_process(three_stage_swarm, llama_dir, topol
         assert (served - reference.logits(ids).detach()).abs().max() <= 1e-5
 
 
-def _replica_losses(workdir, llama_dir, topology: str) -> list[float]:
-    with LocalSwarm(workdir, update_period=1.0, train=True) as swarm:
-        swarm.start_dht()
-        _peers(swarm, llama_dir, {"first": "0:4", "a": "4:8", "b": "4:8"})
-        with _client(swarm, llama_dir, 3) as client:
-            trainer = SwarmTrainer(client, OPTIM, 4, in_flight=2, run_id="replica", topology=topology,
-                                   average_every=2)
-            trainer.start()
-            assert [len(group) for group in trainer.replicas] == [1, 2]
-            data = _batches(2)
-            return [trainer.train_step([data.next_micro() for _ in range(4)]).loss for _ in range(STEPS)]
+def _replica_losses(swarm: LocalSwarm, model_dir, topology: str) -> list[float]:
+    with _client(swarm, model_dir, 3) as client:
+        trainer = SwarmTrainer(client, OPTIM, 4, in_flight=2, run_id="replica", topology=topology, average_every=2)
+        trainer.start()
+        assert [len(group) for group in trainer.replicas] == [1, 2]
+        data = _batches(2)
+        return [trainer.train_step([data.next_micro() for _ in range(4)]).loss for _ in range(STEPS)]
 
 
 def test_with_a_replica_chain_and_star_train_alike(tmp_path, llama_dir):
     """Two peers on 4:8: each micro-batch's route takes one of them; the replicas' shares, grad scaling and
-    averaging give the same losses as the star (the first step's equals one process)."""
-    chained = _replica_losses(tmp_path / "chain", llama_dir, "chain")
-    starred = _replica_losses(tmp_path / "star", llama_dir, "star")
+    averaging give the same losses as the star (the first step's equals one process).
+
+    The star trains a copy of the model under another name (another model to the swarm, the same weights), on peers
+    of its own in the same swarm: both runs start from the initial weights, and all six peers start together."""
+    star_dir = shutil.copytree(llama_dir, tmp_path / f"{llama_dir.name}-star")
+    with LocalSwarm(tmp_path / "swarm", update_period=1.0, train=True) as swarm:
+        swarm.start_dht()
+        _peers(swarm, llama_dir, {"first": "0:4", "a": "4:8", "b": "4:8"}, star_dir)
+        chained = _replica_losses(swarm, llama_dir, "chain")
+        starred = _replica_losses(swarm, star_dir, "star")
     assert chained == pytest.approx(starred, abs=1e-6)
     reference = LocalTrainer(llama_dir, OPTIM, 4, stages=[(0, 4), (4, 8)])
     data = _batches(2)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
+from peers.cli.launch import LocalSwarm, SwarmProcess
 from peers.client.swarm_client import SwarmClient
 from peers.core.config import ClientConfig, SwarmConfig
 from peers.model import LocalModel
@@ -16,17 +19,26 @@ def _client(swarm, model_dir, **trust) -> SwarmClient:
                                                       **trust))
 
 
-def test_only_trusted_peers_compute(fresh_swarm, llama_dir):
-    a, b = (fresh_swarm.start_peer(llama_dir, block_indices="0:8", wait=False) for _ in range(2))
-    for proc in (a, b):
-        fresh_swarm.wait_ready(proc)
+@pytest.fixture(scope="module")
+def two_peers(llama_dir, tmp_path_factory) -> Iterator[tuple[LocalSwarm, SwarmProcess, SwarmProcess]]:
+    """Two peers that serve the whole model, shared by the module's tests (they kill none)."""
+    with LocalSwarm(tmp_path_factory.mktemp("trust"), update_period=1.0) as swarm:
+        swarm.start_dht()
+        a, b = (swarm.start_peer(llama_dir, block_indices="0:8", wait=False) for _ in range(2))
+        for proc in (a, b):
+            swarm.wait_ready(proc)
+        yield swarm, a, b
+
+
+def test_only_trusted_peers_compute(two_peers, llama_dir):
+    swarm, a, b = two_peers
     input_ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(9))
     expected = LocalModel.from_dir(llama_dir).generate_greedy(input_ids, 6).tolist()
     for trust, used, unused in (({"blocked_peers": (a.peer_id,)}, b, a), ({"allowed_peers": (a.peer_id,)}, a, b)):
-        with _client(fresh_swarm, llama_dir, **trust) as client:
+        with _client(swarm, llama_dir, **trust) as client:
             client.wait_for_records(1)
             assert [r.peer_id for r in client.records()] == [used.peer_id]
-            with _client(fresh_swarm, llama_dir) as observer:
+            with _client(swarm, llama_dir) as observer:
                 observer.wait_for_records(2)
                 before = {p.peer_id: observer.info(p.peer_id).inference_steps for p in (a, b)}
                 assert client.generate(input_ids, 6).tolist() == expected
@@ -34,9 +46,9 @@ def test_only_trusted_peers_compute(fresh_swarm, llama_dir):
             assert after[used.peer_id] > before[used.peer_id] and after[unused.peer_id] == before[unused.peer_id]
 
 
-def test_no_trusted_peer_for_a_span_says_so(fresh_swarm, llama_dir):
-    peer = fresh_swarm.start_peer(llama_dir, block_indices="0:8")
-    with _client(fresh_swarm, llama_dir, blocked_peers=(peer.peer_id,)) as client:
+def test_no_trusted_peer_for_a_span_says_so(two_peers, llama_dir):
+    swarm, a, b = two_peers
+    with _client(swarm, llama_dir, blocked_peers=(a.peer_id, b.peer_id)) as client:
         with pytest.raises(MissingBlocksError, match="No online peer serves block"):
             client.forward(torch.tensor([[1, 2]]))
 

@@ -32,12 +32,15 @@ def test_a_peer_behind_nat_serves_through_a_relay_and_without_relays_is_told_wha
         h0, h1, h2 = tb.hosts
         with LocalSwarm(tmp_path / "swarm", update_period=2.0) as swarm:
             swarm.start_dht(host=h0)
-            public = swarm.start_peer(llama_dir, block_indices="0:4", name="public", host=h1)
-            assert "Reachable directly" in public.log()
-
-            # relays off: the peer asks h0 to dial it back, h0 cannot, and the peer exits saying what to do
+            # the three peers start together: a public one; the NAT peer with relays off, which asks h0 to dial it
+            # back, cannot be dialled, and exits saying what to do; the same peer with relays on (the default)
+            public = swarm.start_peer(llama_dir, block_indices="0:4", name="public", host=h1, wait=False)
             refused = swarm.start_peer(llama_dir, block_indices="4:8", name="nat-norelay", host=nat, wait=False,
                                        extra=["--no_relay"])
+            relayed = swarm.start_peer(llama_dir, block_indices="4:8", name="nat", host=nat, wait=False)
+            swarm.wait_ready(public)
+            assert "Reachable directly" in public.log()
+
             assert refused.popen.wait(90) == 2, refused.log()[-3000:]
             message = refused.log()
             assert "this peer is not reachable" in message
@@ -46,8 +49,8 @@ def test_a_peer_behind_nat_serves_through_a_relay_and_without_relays_is_told_wha
             assert f"the swarm sees this machine at {nat.public_address}" in message  # its router's address
             assert "Serving blocks" not in message
 
-            # relays on (the default): the same peer serves through its relay, h0
-            relayed = swarm.start_peer(llama_dir, block_indices="4:8", name="nat", host=nat)
+            # relays on: the same peer serves through its relay, h0
+            swarm.wait_ready(relayed)
             assert "serving through relay(s)" in relayed.log(), relayed.log()[-3000:]
             relay_id = swarm.initial_peers[0].rsplit("/p2p/", 1)[1]
 

@@ -35,8 +35,9 @@ def test_a_joiners_probes_read_the_shaped_rates(llama_dir, tmp_path):
         h = {host.name: host for host in tb.hosts}
         with LocalSwarm(tmp_path / "swarm", update_period=2.0) as swarm:
             swarm.start_dht(host=h["h0"])
-            fast = swarm.start_peer(llama_dir, block_indices="0:4", host=h["h1"], name="h1").peer_id
-            slow = swarm.start_peer(llama_dir, block_indices="4:8", host=h["h2"], name="h2").peer_id
+            started = [swarm.start_peer(llama_dir, block_indices=span, host=h[name], name=name, wait=False)
+                       for name, span in (("h1", "0:4"), ("h2", "4:8"))]
+            fast, slow = (swarm.wait_ready(proc)[2] for proc in started)  # both up before the joiner starts
             joiner = swarm.start_peer(llama_dir, block_indices="0:8", host=h["h3"], name="joiner")
             (tmp_path / "reader.py").write_text(READER)
             out = tb.run(h["h3"], [sys.executable, str(tmp_path / "reader.py"), str(llama_dir), joiner.peer_id,

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import os
 import stat
-import subprocess
-import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,16 +17,20 @@ def mode(path: Path) -> int:
     return stat.S_IMODE(os.stat(path).st_mode)
 
 
-def swarm(*args: str, umask: int = 0o022) -> subprocess.CompletedProcess:
-    """Run ``swarm ARGS`` (no network: keygen, identity, invite, revoke without --initial_peers)."""
-    done = subprocess.run([sys.executable, "-m", "peers.cli", *args], capture_output=True, text=True, umask=umask,
-                          stdin=subprocess.DEVNULL, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done
+@pytest.fixture
+def swarm(swarm_cli):
+    """``swarm ARGS`` run in this process under a umask (no network: keygen, identity, invite, revoke without
+    --initial_peers), which must succeed."""
+    def run(*args: str, umask: int = 0o022) -> SimpleNamespace:
+        done = swarm_cli(*args, umask=umask)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done
+
+    return run
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o000])
-def test_finding_09_owner_commands_write_only_0600_files(tmp_path, umask):
+def test_finding_09_owner_commands_write_only_0600_files(swarm, tmp_path, umask):
     owner_key, member_id, credentials = tmp_path / "owner.key", tmp_path / "alice.id", tmp_path / "alice.member"
     swarm("keygen", "--owner_key", str(owner_key), umask=umask)
     swarm("identity", "--identity_path", str(member_id), umask=umask)
@@ -41,7 +44,7 @@ def test_finding_09_owner_commands_write_only_0600_files(tmp_path, umask):
     assert not list(tmp_path.glob(".*.tmp"))  # no temporary files left behind
 
 
-def test_finding_09_readable_ledger_and_revocation_are_made_0600_with_a_warning(tmp_path):
+def test_finding_09_readable_ledger_and_revocation_are_made_0600_with_a_warning(swarm, tmp_path):
     owner_key, member_id = tmp_path / "owner.key", tmp_path / "bob.id"
     ledger, revocation = Path(f"{owner_key}.members.jsonl"), Path(f"{owner_key}.revocation")
     swarm("keygen", "--owner_key", str(owner_key))
