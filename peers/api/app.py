@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from peers.api import sse
+from peers.api import metrics, sse
 from peers.api.engine import ContextError, Engine, Job
 from peers.api.errors import ApiError
 from peers.api.responses import Reply
@@ -35,7 +35,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def make_app(engine: Engine, *, api_key: str | None = None) -> web.Application:
-    app = web.Application(middlewares=[_errors, _auth(api_key)], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[metrics.count, _errors, _auth(api_key)], client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model}", _model)
@@ -121,12 +121,14 @@ async def _reply(request: web.Request, engine: Engine, job: Job, params: Params,
     reply, prompt_tokens = Reply(model=engine.model_id, chat=chat), len(job.prompt_ids)
     if not params.stream:
         done = await engine.complete(job)
+        metrics.tokens(prompt_tokens, done.completion_tokens)
         return web.json_response(reply.whole(done.text, done.finish_reason, prompt_tokens, done.completion_tokens))
     deltas = engine.stream(job)
     async with contextlib.aclosing(deltas):
         delta = await anext(deltas)  # a failure before the first token still gets its HTTP status
         response = web.StreamResponse(headers={"Content-Type": sse.CONTENT_TYPE, **sse.HEADERS})
         await response.prepare(request)
+        metrics.first_token(request)
         usage = params.include_usage
         try:
             if chat:
@@ -135,6 +137,7 @@ async def _reply(request: web.Request, engine: Engine, job: Job, params: Params,
                 if delta.text:
                     await response.write(sse.event(reply.chunk(delta.text, with_usage=usage)))
                 if delta.finish_reason is not None:
+                    metrics.tokens(prompt_tokens, delta.completion_tokens)
                     await response.write(sse.event(reply.chunk(finish_reason=delta.finish_reason, with_usage=usage)))
                     if usage:
                         await response.write(sse.event(reply.usage_chunk(prompt_tokens, delta.completion_tokens)))

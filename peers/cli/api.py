@@ -29,6 +29,9 @@ def add_api_command(sub) -> None:
                           f"the key out of the process list (default: neither, no key)")
     api.add_argument("--max_tokens", type=int, default=256,
                      help="tokens generated when a request does not say (clipped to the context left)")
+    api.add_argument("--metrics_port", type=int, default=None,
+                     help="serve Prometheus metrics on this port (0: any free one, printed) at /metrics (default: off)")
+    api.add_argument("--metrics_host", default="127.0.0.1", help="address the metrics port listens on")
     api.set_defaults(func=_cmd_api)
 
 
@@ -68,8 +71,10 @@ def open_engine(args: argparse.Namespace, default_max_tokens: int):
 def _cmd_api(args: argparse.Namespace) -> int:
     from peers.api.app import start
 
-    if not 0 <= args.port < 65536:
-        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    for flag in ("port", "metrics_port"):
+        value = getattr(args, flag)
+        if value is not None and not 0 <= value < 65536:
+            raise ValueError(f"--{flag} must be in 0..65535, got {value}")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     client, engine = open_engine(args, args.max_tokens)
     stop = threading.Event()
@@ -78,6 +83,11 @@ def _cmd_api(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         print(f"OpenAI-compatible API for model {engine.model_id!r} on {url}", flush=True)
+        if args.metrics_port is not None:
+            from peers.api import metrics
+
+            port = metrics.serve(args.metrics_port, args.metrics_host)
+            print(f"Prometheus metrics on http://{args.metrics_host}:{port}/metrics", flush=True)
         if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
             logger.warning("Listening on %s without --api_key: anyone who reaches this port can use it", args.host)
         while not stop.wait(1.0):

@@ -60,9 +60,11 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def served(llama_swarm, llama_dir) -> Iterator[tuple[str, str]]:
-    """The API's base URL, and what ``swarm generate`` prints for ``PROMPT`` (run while the API starts)."""
-    api = subprocess.Popen(cli("api", str(llama_dir), "--initial_peers", *llama_swarm.initial_peers, "--port", "0"),
+def served(llama_swarm, llama_dir) -> Iterator[tuple[str, str, str]]:
+    """The API's base URL, what ``swarm generate`` prints for ``PROMPT`` (run while the API starts), and the API's
+    metrics URL."""
+    api = subprocess.Popen(cli("api", str(llama_dir), "--initial_peers", *llama_swarm.initial_peers, "--port", "0",
+                               "--metrics_port", "0"),
                            env={**os.environ, "SWARM_API_KEY": KEY},  # the key as --api_key KEY, out of `ps`
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
@@ -71,8 +73,11 @@ def served(llama_swarm, llama_dir) -> Iterator[tuple[str, str]]:
                                    capture_output=True, text=True, timeout=120)
         assert generated.returncode == 0, generated.stderr
         assert generated.stdout.startswith(PROMPT) and generated.stdout.endswith("\n")
-        url = re.search(r"(http://\S+/v1)", read_line(api, 120)).group(1)
-        yield url, generated.stdout[len(PROMPT):-1]
+        printed = read_line(api, 120)
+        while "/metrics" not in printed:  # the metrics line comes right after the API's
+            printed += read_line(api, 30)
+        url, metrics = (re.search(rf"(http://\S+/{end})", printed).group(1) for end in ("v1", "metrics"))
+        yield url, generated.stdout[len(PROMPT):-1], metrics
     finally:
         stop(api)
 
@@ -250,3 +255,26 @@ def test_a_caller_that_goes_away_frees_its_session_on_the_peers(client, llama_cl
         time.sleep(0.2)
     again = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
     assert again.usage.completion_tokens >= 1
+
+
+def _scrape(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return {name: float(value) for name, _, value in (line.rpartition(" ") for line in lines)
+            if name and not name.startswith("#")}
+
+
+def test_metrics_count_requests_statuses_and_tokens(client, served):
+    """``--metrics_port``: one completion and one refused request move exactly their counters."""
+    ok = 'fusionswarm_api_requests_total{route="/v1/completions",status="200"}'
+    missing = 'fusionswarm_api_requests_total{route="/v1/completions",status="404"}'
+    generated = 'fusionswarm_api_tokens_total{kind="completion"}'
+    before = _scrape(served[2])
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=4)
+    after = _scrape(served[2])
+    assert after[ok] - before.get(ok, 0) == 1 and after[missing] - before.get(missing, 0) == 1
+    assert after[generated] - before.get(generated, 0) == whole.usage.completion_tokens
+    assert after["fusionswarm_api_requests_in_flight"] == 0
+    assert after['fusionswarm_api_request_seconds_count{route="/v1/completions"}'] >= 2
