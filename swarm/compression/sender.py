@@ -15,13 +15,17 @@ so a stage replayed from its neighbours' kept tensors computes on exactly what i
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable
 
 import torch
 
+from privacy.peer_ids import short_id
 from swarm.compression.codecs import NONE, VALUE_CODECS, Codec, Encoded, decode, encode
 from swarm.compression.policy import VALUES, AdaptiveChooser, adaptive_slack, check_setting
 from swarm.links import DEFAULT_LINK, LinkTable
+
+logger = logging.getLogger(__name__)
 
 FORWARD, BACKWARD = "forward", "backward"
 
@@ -62,8 +66,14 @@ class RunCompression:
         if compute_s is None:
             compute_s = self.compute.get(key)
         link = (self.links.get(peer) if self.links is not None else None) or DEFAULT_LINK
-        return self.chooser.decide(key, tensor.numel(), tensor.dtype, bandwidth_bps=link.bandwidth,
-                                   compute_s=compute_s, rtt_s=link.rtt)
+        before = self.chooser.current.get(key)
+        decided = self.chooser.decide(key, tensor.numel(), tensor.dtype, bandwidth_bps=link.bandwidth,
+                                      compute_s=compute_s, rtt_s=link.rtt)
+        if decided != before:
+            logger.info("Compression to %s (%s): %s (link %.1f Mbit/s, rtt %.1f ms; compute %s)", short_id(peer),
+                        direction, decided, link.bandwidth / 1e6, link.rtt * 1e3,
+                        "not measured" if compute_s is None else f"{compute_s * 1e3:.0f} ms")
+        return decided
 
     def reply_codec(self, peer: str, direction: str, like: torch.Tensor) -> str:
         """Under "adaptive", the codec (as text) that ``peer`` should return a tensor like ``like`` to us in, in
