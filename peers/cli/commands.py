@@ -14,7 +14,15 @@ from peers.cli.chat import add_chat_command
 from peers.cli.export import add_export_command
 from peers.cli.membership import add_membership_commands
 from peers.cli.new_model import add_model_command
-from peers.cli.options import MODEL_HELP, block_indices, device_flags, model_name_flag, swarm_config, swarm_flags
+from peers.cli.options import (
+    MODEL_HELP,
+    block_indices,
+    device_flags,
+    model_name_flag,
+    route_flags,
+    swarm_config,
+    swarm_flags,
+)
 from peers.cli.output import TEXT, LineBreakingHandler
 from peers.cli.parsing import SwarmParser
 from peers.cli.train import add_train_command
@@ -140,15 +148,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top_p", type=float, default=None,
                      help="sample from the smallest set reaching this mass (default: 1, all)")
     gen.add_argument("--seed", type=int, default=None, help="makes sampling reproducible (default: random)")
-    gen.add_argument("--request_timeout", type=float, default=30.0, help="seconds per step before re-routing")
-    gen.add_argument("--local_blocks", type=int, default=0,
-                     help="also run the first N blocks here, so peers never see the earliest activations")
-    gen.add_argument("--topology", choices=("chain", "star"), default="chain",
-                     help="chain: each peer hands its output straight to the next one; star: every hidden "
-                          "state goes through this machine")
-    gen.add_argument("--compression", default="none",
-                     help="how hidden states travel: none (bit-exact), fp16, bf16, int8 or topk:F[/fp16|bf16|"
-                          "int8]; lossy codecs save bandwidth and may change tokens (benchmarks/lossy_inference.py)")
+    route_flags(gen)
     model_name_flag(gen)
     device_flags(gen)
     gen.add_argument("--checkpoint", type=Path, default=None, metavar="RUN_CHECKPOINT",
