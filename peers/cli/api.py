@@ -10,7 +10,7 @@ import signal
 import threading
 from pathlib import Path
 
-from peers.cli.options import swarm_config, swarm_flags
+from peers.cli.options import route_flags, swarm_config, swarm_flags
 
 logger = logging.getLogger(__name__)
 API_KEY_ENV = "SWARM_API_KEY"
@@ -39,14 +39,7 @@ def client_flags(parser: argparse.ArgumentParser) -> None:
     """The model folder and how to reach and use the swarm (as ``swarm generate``)."""
     parser.add_argument("model_dir", type=Path, help="the model folder (config.json, embeddings, head, tokenizer.json)")
     swarm_flags(parser, joining=True, new_swarm=False)
-    parser.add_argument("--request_timeout", type=float, default=30.0, help="seconds per step before re-routing")
-    parser.add_argument("--local_blocks", type=int, default=0,
-                        help="also run the first N blocks here, so peers never see the earliest activations")
-    parser.add_argument("--topology", choices=("chain", "star"), default="chain",
-                        help="chain: each peer hands its output straight to the next one; star: every hidden state "
-                             "goes through this machine")
-    parser.add_argument("--compression", default="none",
-                        help="how hidden states travel: none (bit-exact), fp16, bf16, int8 or topk:F[/fp16|bf16|int8]")
+    route_flags(parser)
 
 
 def open_engine(args: argparse.Namespace, default_max_tokens: int):

@@ -20,6 +20,7 @@ from peers.cli.options import (
     device_flags,
     lan_swarm,
     model_name_flag,
+    route_flags,
     swarm_config,
     swarm_flags,
 )
@@ -163,15 +164,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top_p", type=float, default=None,
                      help="sample from the smallest set reaching this mass (default: 1, all)")
     gen.add_argument("--seed", type=int, default=None, help="makes sampling reproducible (default: random)")
-    gen.add_argument("--request_timeout", type=float, default=30.0, help="seconds per step before re-routing")
-    gen.add_argument("--local_blocks", type=int, default=0,
-                     help="also run the first N blocks here, so peers never see the earliest activations")
-    gen.add_argument("--topology", choices=("chain", "star"), default="chain",
-                     help="chain: each peer hands its output straight to the next one; star: every hidden "
-                          "state goes through this machine")
-    gen.add_argument("--compression", default="none",
-                     help="how hidden states travel: none (bit-exact), fp16, bf16, int8 or topk:F[/fp16|bf16|"
-                          "int8]; lossy codecs save bandwidth and may change tokens (benchmarks/lossy_inference.py)")
+    route_flags(gen)
     model_name_flag(gen)
     device_flags(gen)
     gen.add_argument("--checkpoint", type=Path, default=None, metavar="RUN_CHECKPOINT",

@@ -54,6 +54,19 @@ NAT_HELP = {
 }
 
 
+def route_flags(parser: argparse.ArgumentParser) -> None:
+    """How a client's requests travel through the swarm (``swarm generate``, ``api``, ``chat``)."""
+    parser.add_argument("--request_timeout", type=float, default=30.0, help="seconds per step before re-routing")
+    parser.add_argument("--local_blocks", type=int, default=0,
+                        help="also run the first N blocks here, so peers never see the earliest activations")
+    parser.add_argument("--topology", choices=("chain", "star"), default="chain",
+                        help="chain: each peer hands its output straight to the next one; star: every hidden state "
+                             "goes through this machine")
+    parser.add_argument("--compression", default="none",
+                        help="how hidden states travel: none (bit-exact), fp16, bf16, int8 or topk:F[/fp16|bf16|int8];"
+                             " lossy codecs save bandwidth and may change tokens (benchmarks/lossy_inference.py)")
+
+
 def swarm_flags(parser: argparse.ArgumentParser, *, joining: bool, new_swarm: bool = True,
                 role: str = "client") -> None:
     """How a command reaches the swarm: bootstrap peers, addresses, identity, private-swarm credentials, NAT."""

@@ -60,6 +60,9 @@ def add_train_command(sub) -> None:
                        help="seconds to wait for peers whose spans tile the model, at the start and whenever a "
                             "stage's peer is gone mid-run (e.g. while it restarts)")
     train.add_argument("--request_timeout", type=float, default=60.0, help="deadline of one RPC, seconds")
+    train.add_argument("--device", default="auto",
+                       help="where this process trains the embedding and head: auto (cuda when a GPU is visible, "
+                            "else cpu), cpu, cuda, cuda:1, ...; they train in float32 (master weights) everywhere")
     train.add_argument("--topology", choices=TOPOLOGIES, default="chain",
                        help="chain: each stage hands its output straight to the next one (this process's link carries "
                             "the first stage's input and the last one's output only); star: every hidden state and "
@@ -172,7 +175,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                            config.micro_batch, config.seed)
     held_out = batches.held_out_windows(args.eval_windows)
     client_config = ClientConfig(swarm=swarm, model_name=args.model_name or config.model_name,
-                                 request_timeout=args.request_timeout)
+                                 request_timeout=args.request_timeout, device=args.device)
     try:
         client = SwarmClient(config.model_dir, config=client_config)
     except (ValueError, RuntimeError):
