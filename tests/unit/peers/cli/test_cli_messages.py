@@ -15,26 +15,12 @@ def test_bad_block_indices_say_what_is_wrong(value, message, capsys, tmp_path):
     assert message in err and "invalid parse_block_indices value" not in err
 
 
-def test_a_failed_generation_prints_its_error_on_a_line_of_its_own(monkeypatch, capsys, tmp_path):
+def test_a_failed_generation_prints_its_error_on_a_line_of_its_own(fake_generation, capsys, tmp_path):
     """The echoed prompt ends its line before the error is logged (the error used to follow the prompt)."""
-    import peers.client.swarm_client
-    import peers.client.textgen
-
-    class Client:
-        def __init__(self, *args, **kwargs):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return None
-
     def stream_text(*args, **kwargs):
         yield "Once upon"
         raise RuntimeError("blocks 0:4 failed 4 times")
 
-    monkeypatch.setattr(peers.client.swarm_client, "SwarmClient", Client)
-    monkeypatch.setattr(peers.client.textgen, "stream_text", stream_text)
+    fake_generation(stream_text)
     code = cli.main(["generate", str(tmp_path), "--initial_peers", "/ip4/127.0.0.1/tcp/1/p2p/x", "--prompt", "Once"])
     assert code == 2 and capsys.readouterr().out == "Once upon\n"

@@ -28,29 +28,16 @@ def test_temperature_zero_is_greedy():
         SamplingConfig(do_sample=True, temperature=-0.5)
 
 
-def test_cli_temperature_zero_builds_a_greedy_config(monkeypatch, tmp_path):
-    import peers.client.swarm_client
-    import peers.client.textgen
+def test_cli_temperature_zero_builds_a_greedy_config(fake_generation, tmp_path):
     from peers.cli import commands as cli
 
     seen = {}
-
-    class Client:
-        def __init__(self, *args, **kwargs):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return None
 
     def stream_text(client, prompt, max_new_tokens, *, sampling):
         seen["sampling"] = sampling
         yield prompt
 
-    monkeypatch.setattr(peers.client.swarm_client, "SwarmClient", Client)
-    monkeypatch.setattr(peers.client.textgen, "stream_text", stream_text)
+    fake_generation(stream_text)
     cli.main(["generate", str(tmp_path), "--initial_peers", "/ip4/127.0.0.1/tcp/1/p2p/x", "--prompt", "x",
               "--temperature", "0"])
     assert not seen["sampling"].samples
