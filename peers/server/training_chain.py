@@ -53,7 +53,7 @@ from peers.wire.messages import TrainBackward, TrainForward, TrainOpen, TrainPus
 from privacy.peer_ids import short_id
 from swarm.compression import Codec, Encoded
 from swarm.compression.sender import BACKWARD, FORWARD, RunCompression
-from swarm.links import LinkTable
+from swarm.links import LinkTable, RobustEma
 
 MAX_NEIGHBOURS = 64  # peer ids per list of a TrainOpen
 MAX_SCALE = float(1 << 16)  # accumulation / share is at most the accumulation
@@ -106,7 +106,9 @@ class TrainChain:
                  links: LinkTable | None = None) -> None:
         self.rpc, self.stream_for, self.timeout, self.links = rpc, stream_for, timeout, links
         self.compression = RunCompression(links=links)  # how we send the run's tensors
-        self._phase_s: dict[bool, float] = {}  # backward? -> seconds of this stage's last compute of that phase
+        # backward? -> this stage's compute of that phase, smoothed: one micro-batch's time jitters by 2-3x on a
+        # shared machine, more than the codec chooser's hysteresis, and the codec flapped message by message
+        self._phase_s: dict[bool, RobustEma] = {}
         self._patterns: dict[str, torch.Tensor] = {}  # micro_id -> flat indices of its top-k'd input
         self.inbox = Inbox()
         self.upstream: frozenset[str] = frozenset()  # previous stage's replicas: push us inputs
@@ -236,10 +238,11 @@ class TrainChain:
         pattern = self._patterns.pop(request.micro_id, None) if backward else None
         chosen = Codec.parse(request.reply_codec) if request.reply_codec and not request.downstream else None
         # each direction of a link carries one tensor per micro-batch, while the stage computes that micro-batch's
-        # forward and backward: the transfer hides under both (the last of each measured so far)
-        self._phase_s[backward] = compute_ms / 1e3
+        # forward and backward: the transfer hides under both (each smoothed over the recent micro-batches)
+        self._phase_s.setdefault(backward, RobustEma()).add(compute_ms / 1e3)
         payload, arrived = self.compression.send(receiver, BACKWARD if backward else FORWARD, output,
-                                                 compute_s=sum(self._phase_s.values()), indices=pattern, codec=chosen)
+                                                 compute_s=sum(e.value or 0.0 for e in self._phase_s.values()),
+                                                 indices=pattern, codec=chosen)
         self._keep(request, tensor, arrived, backward)
         if not request.downstream:
             return payload, compute_ms

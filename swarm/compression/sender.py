@@ -23,7 +23,7 @@ import torch
 from privacy.peer_ids import short_id
 from swarm.compression.codecs import NONE, VALUE_CODECS, Codec, Encoded, decode, encode
 from swarm.compression.policy import VALUES, AdaptiveChooser, adaptive_slack, check_setting
-from swarm.links import DEFAULT_LINK, LinkTable
+from swarm.links import DEFAULT_LINK, LinkTable, RobustEma
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,8 @@ class RunCompression:
         self.fixed = None if slack is not None else Codec.parse(self.setting)
         self.links = links
         self.chooser = AdaptiveChooser(topk_slack=slack or 1.0)
-        self.compute: dict[Hashable, float] = {}  # (peer, direction) -> seconds of the compute a transfer overlaps
+        # (peer, direction) -> seconds of the compute a transfer overlaps, smoothed (one micro-batch's jitters)
+        self.compute: dict[Hashable, RobustEma] = {}
         self.sent: dict[str, int] = {}  # codec text -> tensors sent in it (for logs and tests)
 
     @property
@@ -64,7 +65,8 @@ class RunCompression:
             return NONE
         key = (peer, direction)
         if compute_s is None:
-            compute_s = self.compute.get(key)
+            noted = self.compute.get(key)
+            compute_s = noted.value if noted is not None else None
         link = (self.links.get(peer) if self.links is not None else None) or DEFAULT_LINK
         before = self.chooser.current.get(key)
         decided = self.chooser.decide(key, tensor.numel(), tensor.dtype, bandwidth_bps=link.bandwidth,
@@ -87,7 +89,7 @@ class RunCompression:
     def note_compute(self, peer: str, direction: str, seconds: float) -> None:
         """The compute a transfer to ``peer`` in ``direction`` overlaps (e.g. that peer's reported ``compute_ms``)."""
         if seconds > 0:
-            self.compute[(peer, direction)] = seconds
+            self.compute.setdefault((peer, direction), RobustEma()).add(seconds)
 
     def send(self, peer: str, direction: str, tensor: torch.Tensor, *, compute_s: float | None = None,
              indices: torch.Tensor | None = None, codec: Codec | None = None
