@@ -56,7 +56,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -68,7 +67,7 @@ from peers.cli.launch import LocalSwarm  # noqa: E402
 from peers.model import LocalModel, make_tiny_model  # noqa: E402
 from peers.trainer.state import trainer_checkpoint_path  # noqa: E402
 from peers.training import OptimConfig, TokenBatches, encode_bytes, loss_of, read_corpus  # noqa: E402
-from peers.training.state import WEIGHTS_FILE, read_state_info, stage_checkpoint_path  # noqa: E402
+from peers.training.state import client_part, load_weights, read_state_info, stage_checkpoint_path  # noqa: E402
 from swarm.testbed import MBIT, Testbed, require_root  # noqa: E402
 from swarm.testbed.cleanup import leftovers, nothing_left  # noqa: E402
 from swarm.testbed.matrices import Matrix  # noqa: E402
@@ -152,17 +151,9 @@ def run_id(compression: str, staleness: int) -> str:
 def final_model(model_dir: Path, checkpoint_dir: Path, run: str, spans: list[tuple[int, int]]) -> LocalModel:
     """The run's trained weights in one ``LocalModel``: each stage's saved blocks and the trainer's embedding + head."""
     model = LocalModel.from_dir(model_dir)
-    own = {"embedding": model.embedding, "head": model.head}
-    trainer = load_file(str(trainer_checkpoint_path(checkpoint_dir, run) / WEIGHTS_FILE))
-    with torch.no_grad():
-        for name, tensor in trainer.items():
-            part, _, rest = name.partition(".")
-            own[part].get_parameter(rest).copy_(tensor)
-        for start, end in spans:
-            saved = load_file(str(stage_checkpoint_path(checkpoint_dir, run, start, end) / WEIGHTS_FILE))
-            for name, tensor in saved.items():
-                index, _, rest = name.partition(".")
-                model.blocks.get_parameter(f"{start + int(index)}.{rest}").copy_(tensor)
+    load_weights(trainer_checkpoint_path(checkpoint_dir, run), client_part(model.embedding, model.head))
+    for start, end in spans:
+        load_weights(stage_checkpoint_path(checkpoint_dir, run, start, end), model.blocks[start:end])
     return model.eval()
 
 

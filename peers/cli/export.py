@@ -16,12 +16,11 @@ from pathlib import Path
 import torch
 
 from peers.cli.options import model_name_flag, swarm_config, swarm_flags
-from peers.core.ids import safe_name
 from peers.model import ModelConfig, load_blocks, load_client_parts
 from peers.model.export import hf_tensors, save_hf_folder
 from peers.trainer.state import trainer_checkpoint_path
 from peers.training import TrainConfig
-from peers.training.state import STATE_FILE, client_part, load_weights, read_state_info
+from peers.training.state import STATE_FILE, client_part, load_weights, read_state_info, run_checkpoint_dir
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +107,7 @@ def _blocks_from_folders(blocks: list[torch.nn.Module], folders: list[Path], run
     done: dict[int, str] = {}
     skipped = []
     for folder in folders:
-        for state in sorted((Path(folder) / safe_name(run_id)).glob("blocks-*-*/" + STATE_FILE)):
+        for state in sorted(run_checkpoint_dir(folder, run_id).glob("blocks-*-*/" + STATE_FILE)):
             saved = read_state_info(state.parent)
             start, end = int(saved["start"]), int(saved["end"])
             if int(saved["step"]) != step:

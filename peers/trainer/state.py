@@ -13,8 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from peers.core.ids import safe_name
-from peers.training.state import STATE_FILE, TRAINER_DIR, client_part, load_stage_state, save_stage_state
+from peers.training.state import (
+    STATE_FILE,
+    TRAINER_DIR,
+    client_part,
+    load_stage_state,
+    run_checkpoint_dir,
+    save_stage_state,
+)
 
 if TYPE_CHECKING:
     from peers.trainer.swarm_trainer import SwarmTrainer
@@ -24,8 +30,7 @@ KIND = "trainer"
 
 def trainer_checkpoint_path(checkpoint_dir: str | Path, run_id: str) -> Path:
     """``checkpoint_dir/<run_id>/trainer``: next to the peers' ``<run_id>/blocks-A-B`` if they share the folder."""
-    safe_run = safe_name(run_id)
-    return Path(checkpoint_dir) / safe_run / TRAINER_DIR
+    return run_checkpoint_dir(checkpoint_dir, run_id) / TRAINER_DIR
 
 
 def has_trainer_state(directory: str | Path) -> bool:

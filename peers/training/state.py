@@ -24,17 +24,22 @@ from torch import nn
 from peers.core.ids import safe_name
 
 WEIGHTS_FILE = "weights.safetensors"
-
-
-def stage_checkpoint_path(checkpoint_dir: str | Path, run_id: str, start: int, end: int) -> Path:
-    """``checkpoint_dir/<run id made safe for a file name>/blocks-START-END``: where a peer saves (and resumes) its
-    span of a run; the trainer's part goes next to it (``peers.trainer.state.trainer_checkpoint_path``)."""
-    return Path(checkpoint_dir) / safe_name(run_id) / f"blocks-{start}-{end}"
 OPTIMIZER_FILE = "optimizer.safetensors"
 STATE_FILE = "state.json"
 FORMAT = 1
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
 TRAINER_DIR = "trainer"  # a run's trainer part: CHECKPOINT_DIR/<run_id>/trainer (``peers.trainer.state``)
+
+
+def run_checkpoint_dir(checkpoint_dir: str | Path, run_id: str) -> Path:
+    """``checkpoint_dir/<run id made safe for a file name>``: a run's folder, holding each peer's ``blocks-A-B`` and
+    the trainer's ``trainer`` part (when they share ``checkpoint_dir``)."""
+    return Path(checkpoint_dir) / safe_name(run_id)
+
+
+def stage_checkpoint_path(checkpoint_dir: str | Path, run_id: str, start: int, end: int) -> Path:
+    """``checkpoint_dir/<run id>/blocks-START-END``: where a peer saves (and resumes) its span of a run."""
+    return run_checkpoint_dir(checkpoint_dir, run_id) / f"blocks-{start}-{end}"
 
 
 def _named(module: nn.Module) -> dict[str, nn.Parameter]:
