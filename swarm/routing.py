@@ -332,15 +332,24 @@ class Router:
         except MissingBlocksError:
             return None
 
-    def _blockers(self, start: int, end: int) -> tuple[int, int, list[Unavailable]]:
-        """The blocks of ``[start, end)`` only banned or busy peers serve, and those peers."""
+    def _blockers(self, start: int, end: int) -> tuple[int, int, list[Unavailable]] | None:
+        """The blocks of ``[start, end)`` only banned or busy peers serve, and those peers; None if every block
+        has a free peer now (a mark expired since the chain was sought: seek it again)."""
         left_out = {u.peer_id: u for u in self.unavailable()}
         online = [r for r in self.records if r.state == PeerState.ONLINE]
         covered = {b for r in online if r.peer_id not in left_out for b in range(r.start, r.end)}
-        blocks = [b for b in range(start, end) if b not in covered] or [start]
+        blocks = [b for b in range(start, end) if b not in covered]
+        if not blocks:
+            return None
         peers = [left_out[r.peer_id] for r in online if r.peer_id in left_out and r.start <= blocks[-1]
                  and r.end > blocks[0]]
         return blocks[0], blocks[-1] + 1, peers
+
+    def _blockers_at(self, block: int) -> list[Unavailable]:
+        """The banned or busy online peers that serve ``block``."""
+        left_out = {u.peer_id: u for u in self.unavailable()}
+        return [left_out[r.peer_id] for r in self.records
+                if r.state == PeerState.ONLINE and r.peer_id in left_out and r.start <= block < r.end]
 
     async def _wait_for_records(self, start: int, end: int) -> None:
         """Give the swarm ``missing_grace`` seconds to show peers for ``[start, end)`` (banned or not): a peer
@@ -375,8 +384,13 @@ class Router:
             return chain
         await self._wait_for_records(start, end)  # raises if nobody serves the span, banned or not
         deadline = time.monotonic() + (self.max_wait if wait is None else wait)
+        retried = False
         while (chain := self._chain(start, end)) is None:
-            first, last, peers = self._blockers(start, end)
+            if (blockers := self._blockers(start, end)) is None and not retried:
+                retried = True  # a busy mark or ban expired between the two looks: seek the chain once more
+                continue
+            first, last, peers = blockers or (start, start + 1, self._blockers_at(start))
+            retried = False
             if not peers:  # the snapshot changed: the span lost its peers
                 await self._wait_for_records(start, end)
                 continue

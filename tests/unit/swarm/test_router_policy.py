@@ -125,6 +125,26 @@ def test_finding_06_a_busy_peer_is_waited_for_within_max_wait():
     assert asyncio.run(r.make_chain(0, 8)) == [Hop(pid("A"), 0, 8)]
 
 
+def test_finding_06_a_busy_mark_expiring_between_two_looks_still_names_the_whole_span(clock, monkeypatch):
+    """CI caught it: both replicas of 0:8 busy, the chain is sought (none), then one mark expires before the
+    blockers are listed. It must seek the chain again, not blame "all 1 peer(s) serving blocks 0:1"."""
+    r = router(fixed(rec("A", 0, 8), rec("B", 0, 8)), max_wait=5.0)
+    r.on_busy(pid("A"), ValueError("cache full"), 1.0)
+    r.on_busy(pid("B"), ValueError("cache full"), 30.0)
+    seek, looks = r._chain, []
+
+    def seek_then_expire(start: int, end: int):
+        chain = seek(start, end)
+        looks.append(chain)
+        if len(looks) == 3:  # the first look of the waiting loop (two before it: cached and refreshed snapshot)
+            clock.now += 1.5  # A's mark runs out right after a look that found no chain
+        return chain
+
+    monkeypatch.setattr(r, "_chain", seek_then_expire)
+    assert asyncio.run(r.make_chain(0, 8)) == [Hop(pid("A"), 0, 8)]
+    assert looks[:3] == [None, None, None]
+
+
 def test_finding_06_sealed_records_say_the_swarm_is_private(clock):
     r = router(fixed(sealed=3), missing_grace=0.0)
     with pytest.raises(PrivateSwarmError) as info:
