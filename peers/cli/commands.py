@@ -120,6 +120,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="also serve inference streams that skip encryption (for benchmarks and debugging)")
     peer.add_argument("--trainers", default=None, metavar="PEER_ID[,PEER_ID...]|members|anyone",
                       help=FLAG_HELP + " (default: nobody)")
+    peer.add_argument("--adapters", default="anyone", metavar="anyone|members|none|PEER_ID[,PEER_ID...]",
+                      help="who may train LoRA adapters of their own on these blocks (the blocks stay frozen and "
+                           "other clients' results unchanged; base training needs --trainers); default: anyone")
     peer.add_argument("--no_train", action="store_true",
                       help="no-op, kept for old scripts: a peer trains only with --trainers")
     peer.add_argument("--checkpoint_dir", type=Path, default=None,
@@ -236,7 +239,7 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir, cache_tokens=args.cache_tokens, session_timeout=args.session_timeout,
         client_cache_share=args.client_cache_share, cache_wait=args.cache_wait,
         require_encryption=not args.allow_plaintext, trainers=parse_trainers(args.trainers),
-        checkpoint_dir=args.checkpoint_dir, backup=args.backup, max_blocks=args.max_blocks,
+        checkpoint_dir=args.checkpoint_dir, adapters=args.adapters, backup=args.backup, max_blocks=args.max_blocks,
         follow_plans=args.follow_plans, control_socket=args.control_socket, organise=args.organise,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host,
     )

@@ -191,7 +191,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
                                outer_momentum=config.outer_momentum, rechoose_every=config.rechoose_every,
                                pipeline_wait=args.wait_peers,  # also for a stage's peer that restarts mid-run
                                topology=args.topology, plan=args.plan, compression=config.compression,
-                               staleness=config.staleness if args.staleness is None else args.staleness)
+                               staleness=config.staleness if args.staleness is None else args.staleness,
+                               adapter=config.adapter, adapter_seed=config.seed)
         path = trainer_checkpoint_path(config.checkpoint_dir, run_id) if config.checkpoint_dir else None
         resumed = path is not None and _resume(trainer, path, config, batches, console)
         extra = {**{k: getattr(config, k) for k in GEOMETRY}, "model": client.model_name,

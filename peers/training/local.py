@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from peers.model.adapters import using
 from peers.model.checkpoint import load_blocks, load_client_parts
 from peers.model.config import ModelConfig
-from peers.model.adapters import using
 from peers.model.local import default_position_ids
 
 from .config import OptimConfig

@@ -182,6 +182,10 @@ class TrainOpen(Message):
     # "topk:0.1/int8") or "adaptive" (per link and direction, from the measured link and the compute time)
     compression: str = "none"
     staleness: int = 0  # 1: asynchronous steps: forwards may name the weights before the last step (``at_step``)
+    # a LoRA spec (``peers.training.lora``): the run trains its own adapters here, made from ``adapter_seed``, on the
+    # frozen blocks (allowed by ``--adapters``); "" trains the blocks themselves (allowed by ``--trainers``)
+    adapter: str = ""
+    adapter_seed: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
