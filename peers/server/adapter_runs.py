@@ -17,7 +17,7 @@ from pathlib import Path
 from peers.core.trainers import TrainerPolicy
 from peers.server.training_rpc import TrainingRPC
 from peers.wire.errors import RequestError
-from peers.wire.messages import TrainOpen
+from peers.wire.messages import ParamsPush, TrainOpen, TrainPush
 from privacy.peer_ids import short_id
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,10 @@ class AdapterRuns:
         return self.runs.get(run_id)
 
     def refusal(self, request: object, caller: str) -> str:
-        """Why ``caller`` may not make this adapter-run request ('' if it may)."""
+        """Why ``caller`` may not make this adapter-run request ('' if it may). An adjacent stage's push is checked by
+        the run's chain (only the peers its trainer named)."""
+        if isinstance(request, (TrainPush, ParamsPush)):
+            return ""
         if not self.policy.enabled:
             return "this peer trains no adapters: its operator started it with --adapters none"
         if not self.policy.allows(caller):

@@ -14,7 +14,8 @@ advanced first, and the step to reach), and a checkpoint never overwrites a newe
 A run that names a LoRA ``adapter`` trains only its own adapters on the frozen blocks (``peers.training.lora``):
 each such run is a ``TrainingRPC`` of its own (``adapter_mode``) in the peer's ``AdapterRuns``
 (``peers.server.adapter_runs``), so several users' adapter runs and a base run share the blocks, each on its own
-thread, none changing what the others or any inference session computes. Who may: ``--adapters`` (default anyone); base training still needs ``--trainers``.
+thread, none changing what the others or any inference session computes. Who may: ``--adapters`` (default anyone);
+base training still needs ``--trainers``.
 """
 
 from __future__ import annotations
