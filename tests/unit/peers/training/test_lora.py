@@ -109,3 +109,37 @@ def test_stage_trains_only_its_adapter(model_dir: Path, tmp_path: Path) -> None:
     assert again.load(saved)["adapter"] == parse_adapter(SPEC).text()
     assert again.step == 2 and all(torch.equal(a, b) for a, b in zip(again.part.params, stage.part.params,
                                                                        strict=True))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_peft_folder_gives_our_logits(tmp_path: Path, family: str) -> None:
+    """An adapter saved as a peft folder loads in transformers + peft with our logits, and reads back as it was."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from peers.training import LocalTrainer
+    from peers.training.lora_files import read_peft_folder, save_peft_folder
+
+    model_dir = make_tiny_model(tmp_path / family, family=family, hidden_size=32, num_layers=3, num_heads=4,
+                                num_kv_heads=2 if family == "llama" else 4, intermediate_size=64, seed=4)
+    spec = SPEC if family == "llama" else "lora:r=4,alpha=8,targets=c_attn+c_proj+c_fc"
+    local = LocalTrainer(model_dir, OPTIM, 1, stages=[(0, 1), (1, 3)], adapter=spec, seed=3)
+    with torch.no_grad():
+        for adapter in local.adapters:
+            for b in adapter.lora_B.values():
+                b.normal_(std=0.05, generator=torch.Generator().manual_seed(2))
+    state = {k: v for a in local.adapters for k, v in a.state_dict().items()}
+    out = save_peft_folder(tmp_path / "adapter", parse_adapter(spec), model_dir, state)
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), out).eval()
+    ids = torch.tensor([[3, 70, 101, 9, 44, 12, 200]])
+    with torch.no_grad():
+        theirs = model(ids).logits
+        ours = local.logits(ids)
+        base = model.get_base_model()
+        with model.disable_adapter():
+            plain = base(ids).logits
+    assert (theirs - ours).abs().max() <= 1e-5
+    assert (theirs - plain).abs().max() > 1e-3  # the adapter does change the logits
+    back_spec, back = read_peft_folder(out)
+    assert back_spec == parse_adapter(spec) and back.keys() == state.keys()
+    assert all(torch.equal(back[k], v) for k, v in state.items())
