@@ -174,6 +174,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="a `swarm train` run's trainer checkpoint (CHECKPOINT_DIR/RUN_ID or its trainer/ folder): "
                           "run its trained embedding and head here, with the blocks the run's peers serve now "
                           "(default: the model folder's)")
+    gen.add_argument("--adapter", default="", metavar="RUN_ID|FOLDER",
+                     help="generate with LoRA adapters: the run id of your adapter run (as its trainer: "
+                          "--identity_path), or an exported adapter folder (peft format); the peers apply them to "
+                          "this session only (default: none)")
     gen.set_defaults(func=_cmd_generate)
 
     add_api_command(sub)
@@ -326,7 +330,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                               top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     config = ClientConfig(swarm=swarm, request_timeout=args.request_timeout, local_blocks=args.local_blocks,
                           topology=args.topology, compression=args.compression, model_name=args.model_name,
-                          device=args.device, torch_dtype=args.torch_dtype, checkpoint=args.checkpoint)
+                          device=args.device, torch_dtype=args.torch_dtype, checkpoint=args.checkpoint,
+                          adapter=args.adapter)
     with SwarmClient(resolve_model(args.model_dir), config=config) as client:
         try:
             for piece in stream_text(client, args.prompt, args.max_new_tokens, sampling=sampling):

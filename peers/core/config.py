@@ -204,6 +204,9 @@ class ClientConfig:
     # how hidden states travel in inference (``swarm.compression``): "none" (bit-exact, default) or a lossy codec,
     # "fp16", "bf16", "int8", "topk:0.5/fp16": the client's inputs to peers, their outputs back and their pushes
     compression: str = "none"
+    # LoRA adapters the peers run this client's requests with (``peers.client.adapters``): the run id of this
+    # identity's adapter run, or an exported peft folder; "": the base model
+    adapter: str = ""
 
     def __post_init__(self) -> None:
         if self.topology not in TOPOLOGIES:

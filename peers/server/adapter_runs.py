@@ -15,6 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from peers.core.trainers import TrainerPolicy
+from peers.model.adapters import Active
+from peers.model.blocks import StageBlocks
+from peers.server.session_adapters import SessionAdapters
 from peers.server.training_rpc import TrainingRPC
 from peers.wire.errors import RequestError
 from peers.wire.messages import ParamsPush, TrainOpen, TrainPush
@@ -28,14 +31,31 @@ MAX_RUNS = 8
 class AdapterRuns:
     """Adapter runs by run id; ``make()`` builds a fresh adapter-mode ``TrainingRPC`` on the peer's blocks."""
 
-    def __init__(self, make: Callable[[], TrainingRPC], policy: TrainerPolicy, *, max_runs: int = MAX_RUNS) -> None:
+    def __init__(self, make: Callable[[], TrainingRPC], policy: TrainerPolicy, blocks: StageBlocks, *,
+                 max_runs: int = MAX_RUNS) -> None:
         self.make, self.policy, self.max_runs = make, policy, max_runs
+        self.sessions = SessionAdapters(blocks, self.run_adapter)  # what inference that names an adapter runs with
         self.runs: dict[str, TrainingRPC] = {}
         self.owners: dict[str, str] = {}  # run id -> the peer id whose adapters they are
         self.used: dict[str, float] = {}  # run id -> time.monotonic() of its last open
 
     def get(self, run_id: str) -> TrainingRPC | None:
         return self.runs.get(run_id)
+
+    def run_adapter(self, caller: str, run_id: str) -> Active | None:
+        """The current adapters of ``caller``'s own adapter run ``run_id`` here, for inference (None if none)."""
+        rpc = self.runs.get(run_id)
+        if rpc is None or self.owners.get(run_id) != caller or rpc.trainer is None or rpc.trainer.adapter is None:
+            return None
+        return rpc.trainer.adapter.deltas()
+
+    def resolve(self, caller: str, name: str, start: int, end: int) -> Active | None:
+        """What an inference request of ``caller`` naming adapter ``name`` runs with (``SessionAdapters``)."""
+        if name and not self.policy.allows(caller):
+            raise RequestError(f"this peer runs no adapters for peer {caller} (it allows {self.policy.describe()} "
+                               "with --adapters)" if self.policy.enabled else
+                               "this peer runs no adapters: its operator started it with --adapters none")
+        return self.sessions.resolve(caller, name, start, end)
 
     def refusal(self, request: object, caller: str) -> str:
         """Why ``caller`` may not make this adapter-run request ('' if it may). An adjacent stage's push is checked by

@@ -418,7 +418,7 @@ class StageServer:
                                adapter_mode=adapter_mode)
 
         training = side()
-        training.adapter_runs = AdapterRuns(lambda: side(adapter_mode=True), adapters)  # LoRA runs (issue 19)
+        training.adapter_runs = AdapterRuns(lambda: side(adapter_mode=True), adapters, blocks)  # LoRA (issue 19)
         training.moved = moved
         if not policy.enabled:  # adapters only: the blocks are the model's, never trained here
             return training

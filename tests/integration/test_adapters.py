@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -48,7 +49,10 @@ def _client(swarm: LocalSwarm, llama_dir, name: str = "trainer") -> SwarmClient:
     return client
 
 
-def test_lora_run_equals_one_process_and_leaves_others_unchanged(adapter_swarm, llama_dir):
+@pytest.fixture(scope="module")
+def lora_run(adapter_swarm, llama_dir) -> Iterator[SimpleNamespace]:
+    """A LoRA run of ``STEPS`` steps through the three peers next to the same run in one process, while another
+    client generates greedily over and over; the trainer's client stays open for the module's tests."""
     swarm, procs = adapter_swarm
     with _client(swarm, llama_dir) as client, _client(swarm, llama_dir, "other") as other:
         base = SwarmTrainer(client, OPTIM, ACCUMULATION, run_id="base-run")
@@ -79,16 +83,76 @@ def test_lora_run_equals_one_process_and_leaves_others_unchanged(adapter_swarm, 
         finally:
             stop.set()
             generating.join()
-        assert swarm_losses == local_losses  # bit-equal in fp32
-        assert swarm_losses[-1] < swarm_losses[0]
-        assert during and all(torch.equal(g, greedy) for g in during)
-        assert torch.equal(other.generate(PROMPT, 12), greedy)
-        # the adapters are the run's trainer's: another peer id cannot fetch (nor reopen) them
-        stage = procs["b"]
-        mine = client.loop.run(client.peer_stream(stage.peer_id))
-        _, flat = client.loop.run(mine.call(ParamsFetch(start=3, end=6, run_id="lora-run"), None, 10))
-        want = torch.cat([p.detach().reshape(-1) for p in reference.adapters[1].params()])
-        assert torch.equal(flat, want)
-        theirs = other.loop.run(other.peer_stream(stage.peer_id))
-        with pytest.raises(RequestError, match="another trainer's adapters"):
-            other.loop.run(theirs.call(ParamsFetch(start=3, end=6, run_id="lora-run"), None, 10))
+        yield SimpleNamespace(swarm=swarm, procs=procs, client=client, other=other, greedy=greedy, during=during,
+                              after=other.generate(PROMPT, 12), reference=reference, swarm_losses=swarm_losses,
+                              local_losses=local_losses)
+
+
+def _greedy(reference: LocalTrainer, ids: torch.Tensor, new: int) -> torch.Tensor:
+    with torch.no_grad():
+        for _ in range(new):
+            ids = torch.cat([ids, reference.logits(ids)[:, -1:].argmax(-1)], dim=1)
+    return ids
+
+
+def test_lora_run_equals_one_process_and_leaves_others_unchanged(lora_run):
+    run = lora_run
+    assert run.swarm_losses == run.local_losses  # bit-equal in fp32
+    assert run.swarm_losses[-1] < run.swarm_losses[0]
+    assert run.during and all(torch.equal(g, run.greedy) for g in run.during)  # during the run
+    assert torch.equal(run.after, run.greedy)  # and after it
+    # the adapters are the run's trainer's: another peer id can neither fetch nor generate with them
+    stage = run.procs["b"]
+    mine = run.client.loop.run(run.client.peer_stream(stage.peer_id))
+    _, flat = run.client.loop.run(mine.call(ParamsFetch(start=3, end=6, run_id="lora-run"), None, 10))
+    want = torch.cat([p.detach().reshape(-1) for p in run.reference.adapters[1].params()])
+    assert torch.equal(flat, want)
+    theirs = run.other.loop.run(run.other.peer_stream(stage.peer_id))
+    with pytest.raises(RequestError, match="another trainer's adapters"):
+        run.other.loop.run(theirs.call(ParamsFetch(start=3, end=6, run_id="lora-run"), None, 10))
+    with pytest.raises(RequestError, match="no adapter 'lora-run' of yours"):
+        run.other.loop.run(theirs.forward(3, 6, torch.zeros(1, 4, 64), 10, adapter="lora-run"))
+
+
+def test_generation_with_the_runs_adapter_equals_one_process(lora_run, llama_dir):
+    """The run's trainer names its run: the peers apply its adapters to that client's session only."""
+    run = lora_run
+    config = ClientConfig(swarm=run.swarm.trainer_config(), request_timeout=30, adapter="lora-run")
+    with SwarmClient(llama_dir, config=config) as adapted:
+        adapted.wait_for_records(3)
+        ids = PROMPT.repeat(2, 1)
+        torch.testing.assert_close(adapted.forward(ids), run.reference.logits(ids).detach(), rtol=0, atol=1e-5)
+        generated = adapted.generate(PROMPT, 12)
+        assert torch.equal(generated, _greedy(run.reference, PROMPT, 12))
+        assert not torch.equal(generated, run.greedy)  # the adapter changes what is generated
+    assert torch.equal(run.other.generate(PROMPT, 12), run.greedy)
+
+
+def test_export_loads_in_peft_and_runs_on_the_swarm(lora_run, llama_dir, tmp_path, swarm_cli):
+    """``swarm export`` writes the run's adapters in peft format (live and from the peers' checkpoints alike);
+    transformers + peft give the swarm's logits, and another client generates with the folder on the swarm."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    run = lora_run
+    config = tmp_path / "lora-run.toml"
+    config.write_text(f'model_dir = "{llama_dir}"\nadapter = "{ADAPTER}"\nseed = {SEED}\n')
+    live = swarm_cli("export", str(config), "--out", str(tmp_path / "live"), "--initial_peers",
+                     *run.swarm.initial_peers, "--identity_path", str(run.swarm.trainer_identity("trainer")))
+    assert live.returncode == 0, live.stderr[-2000:]
+    saved = swarm_cli("export", str(config), "--out", str(tmp_path / "saved"), "--blocks_from",
+                      *[str(run.swarm.workdir / f"ckpt-{name}") for name in STAGES])
+    assert saved.returncode == 0, saved.stderr[-2000:]
+    files = [(tmp_path / name / "adapter_model.safetensors").read_bytes() for name in ("live", "saved")]
+    assert files[0] == files[1]
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(llama_dir), tmp_path / "live")
+    ids = PROMPT.repeat(2, 1)
+    with torch.no_grad():
+        theirs = model.eval()(ids).logits
+    swarm_config = ClientConfig(swarm=run.swarm.trainer_config("other"), request_timeout=30,
+                                adapter=str(tmp_path / "live"))
+    with SwarmClient(llama_dir, config=swarm_config) as client:
+        client.wait_for_records(3)
+        ours = client.forward(ids)
+        assert torch.equal(client.generate(PROMPT, 12), _greedy(run.reference, PROMPT, 12))
+    assert (theirs - ours).abs().max() <= 1e-5
