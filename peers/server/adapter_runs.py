@@ -82,6 +82,7 @@ class AdapterRuns:
             if len(self.runs) >= self.max_runs:
                 self._evict()
             rpc = self.make()
+            rpc.adapter_owner = caller
         try:
             step = await rpc.open(request, stream)
         except BaseException:

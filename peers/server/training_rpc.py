@@ -106,6 +106,7 @@ class TrainingRPC:
         self.chain = TrainChain(self, stream_for, timeout=chain_timeout, links=links)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-train")
         self.adapter_mode = adapter_mode  # this object serves one adapter run (``peers.server.adapter_runs``)
+        self.adapter_owner = ""  # its trainer's peer id
         self.adapter_runs: Any = None  # the base side's registry of adapter runs (``AdapterRuns``), set by the server
 
     @property
@@ -198,8 +199,14 @@ class TrainingRPC:
             raise RequestError(str(e)) from None
         self.trainer = StageTrainer(self.blocks, optim, request.accumulation, keep_activations=request.keep_activations,
                                     max_pending=MAX_PENDING, auto_step=not request.explicit_apply, adapter=adapter)
+        self.trainer.owner = self.adapter_owner
         self.run_id = request.run_id
         path = self._checkpoint_path()
+        if self.adapter_mode and path is not None and (path / "state.json").is_file() and \
+                read_state_info(path).get("owner") != self.adapter_owner:
+            self.trainer = None
+            raise RequestError(f"run {request.run_id[:64]!r}: the adapters saved on this peer belong to another "
+                               "trainer: pick another run id")
         if path is not None and (path / "state.json").is_file():
             self.trainer.load(path)
             logger.info("Run %r: resumed blocks %d:%d from %s at step %d", self.run_id, self.info.start,

@@ -204,6 +204,8 @@ class SwarmTrainer:
     async def start_async(self, wait: float | None = None, groups: list[list[PeerRecord]] | None = None
                           ) -> list[PeerRecord]:
         groups = groups or await self._stage_groups(self.pipeline_wait if wait is None else wait)
+        if self.adapter:  # an adapter run lives on one peer per span (its adapters are not averaged between replicas)
+            groups = [group[:1] for group in groups]
         self._chosen_at, self._considered = time.monotonic(), {r.peer_id for group in groups for r in group}
         run_step = max(self.run_step, self.steps_done)
         self.replicas, self.assignment, self.shares = [], [], []
@@ -264,6 +266,8 @@ class SwarmTrainer:
         step count when the run is opened (``start_async``) and is averaged with the others every H steps.
         """
         self._chosen_at = time.monotonic()
+        if self.adapter:  # one peer per span: no replicas join an adapter run
+            return
         banned = self.client.router.banned()
         spans = {(group[0].start, group[0].end): i for i, group in enumerate(self.replicas)}
         joiners = [r for r in await self.client._fetch() if (r.start, r.end) in spans and r.peer_id not in banned

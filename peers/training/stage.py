@@ -68,6 +68,7 @@ class StageTrainer:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.adapter = adapter
+        self.owner = ""  # an adapter run: the peer id whose adapters they are (saved with them, checked on load)
         self.frozen_base = frozen_base or adapter is not None
         self.blocks = blocks if self.frozen_base else blocks.requires_grad_(True).train()
         self.accumulation = accumulation
@@ -260,7 +261,7 @@ class StageTrainer:
     def _meta(self) -> dict[str, Any]:
         meta: dict[str, Any] = {"kind": "stage", "start": self.blocks.start, "end": self.blocks.end}
         if self.adapter is not None:
-            meta.update(kind="adapter", adapter=self.adapter.spec.text())
+            meta.update(kind="adapter", adapter=self.adapter.spec.text(), owner=self.owner)
         return meta
 
     def weights_replaced(self) -> None:

@@ -29,13 +29,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                            num_heads=2, num_kv_heads=1, intermediate_size=64)
 
 
-def _runs(model_dir: Path, policy: TrainerPolicy) -> AdapterRuns:
+def _runs(model_dir: Path, policy: TrainerPolicy, checkpoint_dir: Path | None = None) -> AdapterRuns:
     blocks = load_blocks(model_dir, 0, 2)
     info = StageInfo(peer_id="12D3KooW" + "C" * 44, model="tiny", start=0, end=2, hidden_size=32, dtype="float32",
                      max_batch_size=8, max_seq_len=64, max_request_bytes=1 << 20, throughput=1.0, version="test")
 
     def make() -> TrainingRPC:
-        return TrainingRPC(blocks, info, trainers=TrainerPolicy(), stream_for=lambda peer: None, adapter_mode=True)
+        return TrainingRPC(blocks, info, trainers=TrainerPolicy(), stream_for=lambda peer: None, adapter_mode=True,
+                           checkpoint_dir=checkpoint_dir)
 
     return AdapterRuns(make, policy, blocks)
 
@@ -103,3 +104,21 @@ def test_loaded_adapters_are_checked_and_kept_per_caller(model_dir: Path) -> Non
         runs.resolve(ME, "file:x", 0, 2)  # not loaded for block 0
     assert runs.resolve(ME, "", 0, 2) is None
     runs.shutdown()
+
+
+def test_saved_adapters_resume_for_their_trainer_only(model_dir: Path, tmp_path: Path) -> None:
+    """A restarted peer reloads a run's adapters from its checkpoint for the trainer they belong to, nobody else."""
+    runs = _runs(model_dir, TrainerPolicy(("anyone",)), tmp_path)
+    asyncio.run(runs.open(_open(), object(), ME))
+    trainer = runs.get("mine").trainer
+    hidden = torch.randn(1, 4, 32)
+    trainer.forward("m", hidden, torch.arange(4)[None])
+    trainer.backward("m", torch.ones_like(hidden))
+    assert trainer.step == 1 and len(runs.save_all("test")) == 1
+    runs.shutdown()
+    restarted = _runs(model_dir, TrainerPolicy(("anyone",)), tmp_path)
+    with pytest.raises(RequestError, match="belong to another trainer"):
+        asyncio.run(restarted.open(_open(), object(), OTHER))
+    assert restarted.get("mine") is None
+    assert asyncio.run(restarted.open(_open(), object(), ME)) == 1
+    restarted.shutdown()
