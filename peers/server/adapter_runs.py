@@ -77,23 +77,29 @@ class AdapterRuns:
         """Open (or re-open) adapter run ``request.run_id`` for ``caller``; its step."""
         if refusal := self.refusal(request, caller):
             raise RequestError(refusal)
-        rpc = self.runs.get(request.run_id)
-        if rpc is None:
+        rpc, new = self.runs.get(request.run_id), False
+        if rpc is None:  # registered before the first await: a concurrent open of the same id by another is refused
             if len(self.runs) >= self.max_runs:
                 self._evict()
-            rpc = self.make()
+            rpc, new = self.make(), True
             rpc.adapter_owner = caller
+            self.runs[request.run_id], self.owners[request.run_id] = rpc, caller
+        self.used[request.run_id] = time.monotonic()
         try:
             step = await rpc.open(request, stream)
         except BaseException:
-            if request.run_id not in self.runs:
+            if new:
+                self._forget(request.run_id)
                 rpc.shutdown()
             raise
-        if request.run_id not in self.runs:
+        if new:
             logger.info("Adapter run %r opened by %s (%s)", request.run_id, short_id(caller), request.adapter)
-        self.runs[request.run_id], self.owners[request.run_id] = rpc, caller
-        self.used[request.run_id] = time.monotonic()
         return step
+
+    def _forget(self, run_id: str) -> TrainingRPC | None:
+        self.owners.pop(run_id, None)
+        self.used.pop(run_id, None)
+        return self.runs.pop(run_id, None)
 
     def _evict(self) -> None:
         idle = [run_id for run_id, rpc in self.runs.items() if rpc.owner is None]
@@ -101,9 +107,8 @@ class AdapterRuns:
             raise RequestError(f"this peer holds {len(self.runs)} adapter runs in use (at most {self.max_runs}): "
                                "try later or another peer")
         run_id = min(idle, key=lambda r: self.used.get(r, 0.0))
-        rpc = self.runs.pop(run_id)
-        self.owners.pop(run_id, None)
-        self.used.pop(run_id, None)
+        rpc = self._forget(run_id)
+        assert rpc is not None
         rpc.save_unsaved("before making room for another adapter run")
         rpc.shutdown()
         logger.info("Adapter run %r: dropped (idle) to make room for another", run_id)

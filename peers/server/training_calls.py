@@ -12,7 +12,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from peers.server.calls import Call, Deferred, Responses, StreamCalls, defer, elapsed_ms, reply, tensor_reply
-from peers.server.training_rpc import TrainingRPC
+from peers.server.training_rpc import TrainingRPC, frozen_base
 from peers.wire.errors import ChainError, RequestError
 from peers.wire.messages import (
     InferenceReply,
@@ -49,7 +49,7 @@ class TrainingCalls(StreamCalls):
     async def open(self, request: TrainOpen, call: Call) -> Responses:
         try:
             runs = self.training.adapter_runs
-            if request.adapter and runs is not None:
+            if frozen_base(request) and runs is not None:
                 step = await runs.open(request, call.stream, call.caller)
             elif runs is not None and runs.get(request.run_id) is not None:
                 raise RequestError(f"run {request.run_id[:64]!r} trains adapters here: open it with its adapter spec")

@@ -58,13 +58,20 @@ MAX_PENDING = 64  # micro-batches forwarded and not yet backwarded, per run
 TRAINER_KINDS = (TrainOpen, TrainForward, TrainBackward, TrainApply, TrainFetch)  # what only an allowed trainer sends
 
 
+def frozen_base(request: TrainOpen) -> bool:
+    """A run that leaves the blocks' own weights alone (LoRA adapters; prompt tuning adds its fields here): it opens
+    on the adapter side (``AdapterRuns``), allowed by ``--adapters``, never by ``--trainers``."""
+    return bool(request.adapter)
+
+
 def training_refusal(training: TrainingRPC | None, request: object, caller: str) -> str:
     """Why peer ``caller`` may not make this training request here ('' if it may). Replicas' pushes are checked
     against the run's replicas on arrival; a fetch of the current parameters is open to anyone admitted."""
     if training is None:
         return TrainerPolicy().refusal(caller)
     runs = training.adapter_runs
-    if runs is not None and (getattr(request, "adapter", "") or runs.get(getattr(request, "run_id", "")) is not None):
+    if runs is not None and ((isinstance(request, TrainOpen) and frozen_base(request))
+                             or runs.get(getattr(request, "run_id", "")) is not None):
         return runs.refusal(request, caller)  # an adapter run: --adapters, and only its own trainer
     if isinstance(request, TRAINER_KINDS):
         return training.trainers.refusal(caller)
@@ -173,7 +180,7 @@ class TrainingRPC:
 
     def _check_adapter(self, request: TrainOpen) -> None:
         """An adapter run opens only on an adapter-mode side, with the spec it was made with, and no replicas."""
-        if bool(request.adapter) != self.adapter_mode:
+        if frozen_base(request) != self.adapter_mode:
             raise RequestError(f"run {request.run_id[:64]!r} trains adapters here: open it with its adapter spec"
                                if self.adapter_mode else "an adapter run is opened on the adapter side")
         if not self.adapter_mode:
@@ -198,7 +205,8 @@ class TrainingRPC:
         except ValueError as e:
             raise RequestError(str(e)) from None
         self.trainer = StageTrainer(self.blocks, optim, request.accumulation, keep_activations=request.keep_activations,
-                                    max_pending=MAX_PENDING, auto_step=not request.explicit_apply, adapter=adapter)
+                                    max_pending=MAX_PENDING, auto_step=not request.explicit_apply, adapter=adapter,
+                                    frozen_base=self.adapter_mode)
         self.trainer.owner = self.adapter_owner
         self.run_id = request.run_id
         path = self._checkpoint_path()

@@ -255,8 +255,10 @@ class StageTrainer:
             return info
 
     def _saved_part(self) -> torch.nn.Module:
-        """What this run trains, and saves: the adapter, or the blocks."""
-        return self.adapter if self.adapter is not None else self.blocks
+        """What this run trains, and saves: the adapter, nothing (a frozen base with no adapter), or the blocks."""
+        if self.adapter is not None:
+            return self.adapter
+        return torch.nn.Module() if self.frozen_base else self.blocks
 
     def _meta(self) -> dict[str, Any]:
         meta: dict[str, Any] = {"kind": "stage", "start": self.blocks.start, "end": self.blocks.end}
