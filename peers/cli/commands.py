@@ -120,6 +120,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="also serve inference streams that skip encryption (for benchmarks and debugging)")
     peer.add_argument("--trainers", default=None, metavar="PEER_ID[,PEER_ID...]|members|anyone",
                       help=FLAG_HELP + " (default: nobody)")
+    peer.add_argument("--adapters", default="anyone", metavar="anyone|members|none|PEER_ID[,PEER_ID...]",
+                      help="who may train LoRA adapters of their own on these blocks (the blocks stay frozen and "
+                           "other clients' results unchanged; base training needs --trainers); default: anyone")
     peer.add_argument("--no_train", action="store_true",
                       help="no-op, kept for old scripts: a peer trains only with --trainers")
     peer.add_argument("--checkpoint_dir", type=Path, default=None,
@@ -171,6 +174,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="a `swarm train` run's trainer checkpoint (CHECKPOINT_DIR/RUN_ID or its trainer/ folder): "
                           "run its trained embedding and head here, with the blocks the run's peers serve now "
                           "(default: the model folder's)")
+    gen.add_argument("--adapter", default="", metavar="RUN_ID|FOLDER",
+                     help="generate with LoRA adapters: the run id of your adapter run (as its trainer: "
+                          "--identity_path), or an exported adapter folder (peft format); the peers apply them to "
+                          "this session only (default: none)")
     gen.set_defaults(func=_cmd_generate)
 
     add_api_command(sub)
@@ -236,7 +243,7 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir, cache_tokens=args.cache_tokens, session_timeout=args.session_timeout,
         client_cache_share=args.client_cache_share, cache_wait=args.cache_wait,
         require_encryption=not args.allow_plaintext, trainers=parse_trainers(args.trainers),
-        checkpoint_dir=args.checkpoint_dir, backup=args.backup, max_blocks=args.max_blocks,
+        checkpoint_dir=args.checkpoint_dir, adapters=args.adapters, backup=args.backup, max_blocks=args.max_blocks,
         follow_plans=args.follow_plans, control_socket=args.control_socket, organise=args.organise,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host,
     )
@@ -323,7 +330,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                               top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     config = ClientConfig(swarm=swarm, request_timeout=args.request_timeout, local_blocks=args.local_blocks,
                           topology=args.topology, compression=args.compression, model_name=args.model_name,
-                          device=args.device, torch_dtype=args.torch_dtype, checkpoint=args.checkpoint)
+                          device=args.device, torch_dtype=args.torch_dtype, checkpoint=args.checkpoint,
+                          adapter=args.adapter)
     with SwarmClient(resolve_model(args.model_dir), config=config) as client:
         try:
             for piece in stream_text(client, args.prompt, args.max_new_tokens, sampling=sampling):

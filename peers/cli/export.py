@@ -34,8 +34,9 @@ def add_export_command(sub) -> None:
     export.add_argument("--run_id", default=None, help="the run's id (default: the config file's name, as in "
                                                        "`swarm train`)")
     export.add_argument("--blocks_from", type=Path, nargs="+", default=[], metavar="PEER_CHECKPOINT_DIR",
-                        help="read the blocks from these peers' --checkpoint_dir folders instead of fetching them "
-                             "from the live peers (default: fetch, with --initial_peers)")
+                        help="read the blocks (or an adapter run's adapters) from these peers' --checkpoint_dir "
+                             "folders instead of fetching them from the live peers (default: fetch, with "
+                             "--initial_peers)")
     swarm_flags(export, joining=True, new_swarm=False)
     model_name_flag(export)
     export.add_argument("--request_timeout", type=float, default=60.0, help="seconds per block fetched")
@@ -50,6 +51,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
     run_id = args.run_id or default_run_id(args.config)
     if args.out.exists() and any(args.out.iterdir()) and not args.force:
         raise ValueError(f"{args.out} exists and is not empty: choose another --out or pass --force")
+    if config.adapter:  # a LoRA run: its adapters as a peft folder (the base model is unchanged)
+        from peers.cli.export_adapter import export_adapter
+
+        return export_adapter(args, config, run_id)
     if config.checkpoint_dir is None:
         raise ValueError(f"{args.config} has no checkpoint_dir, so the trainer never saved the run's embedding and "
                          "head: set checkpoint_dir in the config and train (the peers keep their blocks)")

@@ -174,8 +174,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     batches = TokenBatches(token_ids(config.model_dir, read_corpus(config.data)), config.seq_len,
                            config.micro_batch, config.seed)
     held_out = batches.held_out_windows(args.eval_windows)
+    # an adapter run's held-out losses run with its adapters (the peers apply them to our requests only)
     client_config = ClientConfig(swarm=swarm, model_name=args.model_name or config.model_name,
-                                 request_timeout=args.request_timeout, device=args.device)
+                                 request_timeout=args.request_timeout, device=args.device,
+                                 adapter=run_id if config.adapter else "")
     try:
         client = SwarmClient(config.model_dir, config=client_config)
     except (ValueError, RuntimeError):
@@ -191,7 +193,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
                                outer_momentum=config.outer_momentum, rechoose_every=config.rechoose_every,
                                pipeline_wait=args.wait_peers,  # also for a stage's peer that restarts mid-run
                                topology=args.topology, plan=args.plan, compression=config.compression,
-                               staleness=config.staleness if args.staleness is None else args.staleness)
+                               staleness=config.staleness if args.staleness is None else args.staleness,
+                               adapter=config.adapter, adapter_seed=config.seed)
         path = trainer_checkpoint_path(config.checkpoint_dir, run_id) if config.checkpoint_dir else None
         resumed = path is not None and _resume(trainer, path, config, batches, console)
         extra = {**{k: getattr(config, k) for k in GEOMETRY}, "model": client.model_name,

@@ -53,10 +53,12 @@ class SpanSession:
     async def open(self, max_length: int, batch_size: int, *, resume: bool = False) -> None:
         """Open the session on the peer (``resume``: re-attach this client's detached session)."""
         self._stream = await self.client.peer_stream(self.peer_id)
+        timeout = self.client.config.request_timeout
+        adapter = await self.client.adapter.name_for(self._stream, self.start, self.end, timeout)
         request = InferenceOpen(session_id=self.session_id, start=self.start, end=self.end,
                                 max_length=max_length, batch_size=batch_size, resume=resume, upstream=self.upstream,
                                 downstream=self.downstream, downstream_session=self.downstream_session,
-                                compression=self._compression)
+                                compression=self._compression, adapter=adapter)
         reply = await self._stream.open(request, self.client.config.request_timeout)
         if reply.error:
             raise classify(RequestError(f"peer {short_id(self.peer_id)} refused the session: {reply.error}"))

@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from peers.client.adapters import ClientAdapter
 from peers.core.config import ClientConfig
 from peers.model import ModelConfig
 from peers.model.checkpoint import StageBlocks
@@ -30,6 +31,7 @@ class ClientNode(Protocol):
     first_remote: int  # blocks [0, first_remote) run here
     local_blocks: StageBlocks | None
     router: Router
+    adapter: ClientAdapter  # the LoRA adapters its requests run with (``ClientConfig.adapter``)
 
     async def peer_stream(self, peer_id: str) -> PeerStream:
         """This node's one stream to ``peer_id``."""

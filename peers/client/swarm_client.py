@@ -12,6 +12,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
+from peers.client.adapters import ClientAdapter
 from peers.client.chain_session import ChainSession
 from peers.client.generation import SamplingConfig, generate_stream
 from peers.client.inference_session import InferenceSession
@@ -73,6 +74,9 @@ class SwarmClient:
             info = load_weights(trainer_part_dir(config.checkpoint), client_part(self.embedding, self.head))
             logger.info("Running the embedding and head of run %r at step %s from %s", info.get("run_id"),
                         info.get("steps_done"), config.checkpoint)
+        self.adapter = ClientAdapter(config.adapter)  # LoRA adapters the peers run our requests with (issue 19)
+        if config.adapter and config.local_blocks:
+            raise ValueError("adapters run on the peers only: use local_blocks=0 with an adapter")
         if not 0 <= config.local_blocks < self.model_config.num_layers:
             raise ValueError(f"local_blocks must be in 0..{self.model_config.num_layers - 1}")
         self.first_remote = config.local_blocks  # blocks [0, first_remote) run here, the rest on peers
@@ -259,8 +263,9 @@ class SwarmClient:
         """
         stream = await self.peer_stream(peer_id)
         try:
+            adapter = await self.adapter.name_for(stream, start, end, self.config.request_timeout)
             return await stream.forward(start, end, hidden, timeout=self.config.request_timeout,
-                                        codec=self.config.codec)
+                                        codec=self.config.codec, adapter=adapter)
         except RequestError as e:
             raise classify(e) from None
 

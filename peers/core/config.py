@@ -107,6 +107,9 @@ class StageServerConfig:
     require_encryption: bool = True  # refuse inference streams that skip the handshake (plaintext tensors)
     trainers: tuple[str, ...] = ()  # who may train (and so change) the served weights: peer ids, "members", "anyone"
     checkpoint_dir: Path | None = None  # training: save/resume weights + AdamW state of our blocks here
+    # who may train LoRA adapters of their own on our frozen blocks (issue 19): "anyone" (default), "members", peer
+    # ids, or "none"; base training stays with ``trainers``
+    adapters: str = "anyone"
     # moves (``StageServer.move_to`` / ``become_backup``): start as a backup (no blocks, ready to take a place),
     # the blocks memory holds (announced; None: from free memory), whether a plan's follower may move this peer,
     # and a local unix socket that takes `move START:END` / `backup` lines from this machine's user
@@ -155,6 +158,15 @@ class StageServerConfig:
             raise ValueError("--cache_wait must be >= 0 and below --request_timeout")
         self.cache_dir = Path(self.cache_dir)
         self.trainers = self.trainer_policy().trainers  # checked: peer ids, or 'members' in a private swarm
+        try:
+            self.adapter_policy()
+        except ValueError as e:
+            raise ValueError(f"--adapters: {e}".replace("--trainers", "--adapters")) from None
+
+    def adapter_policy(self) -> TrainerPolicy:
+        """Who may open adapter runs here (``--adapters``; ``none``: nobody)."""
+        who = () if self.adapters.strip().lower() == "none" else (self.adapters,)
+        return TrainerPolicy(who, private=self.swarm.credentials_path is not None)
 
     def trainer_policy(self) -> TrainerPolicy:
         """Who may train this peer (``peers.core.trainers``): nobody unless the operator passed ``--trainers``."""
@@ -192,6 +204,9 @@ class ClientConfig:
     # how hidden states travel in inference (``swarm.compression``): "none" (bit-exact, default) or a lossy codec,
     # "fp16", "bf16", "int8", "topk:0.5/fp16": the client's inputs to peers, their outputs back and their pushes
     compression: str = "none"
+    # LoRA adapters the peers run this client's requests with (``peers.client.adapters``): the run id of this
+    # identity's adapter run, or an exported peft folder; "": the base model
+    adapter: str = ""
 
     def __post_init__(self) -> None:
         if self.topology not in TOPOLOGIES:

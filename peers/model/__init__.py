@@ -3,6 +3,7 @@
 Files:
     config.py      ``ModelConfig`` parsed from a Hugging Face ``config.json`` (``ModelConfig.from_dir``).
     blocks.py      the common block interface: ``KV``, ``causal_attention``, ``StageBlocks`` (a block range).
+    adapters.py    per-call LoRA: the adapter active in this call's context, added by the projections (``using``).
     llama.py       ``LlamaBlock`` (RMSNorm, GQA + RoPE, SwiGLU), ``LlamaEmbedding``, ``LlamaHead``.
     gpt2.py        ``GPT2Block`` (Conv1D layout, gelu_new), ``GPT2Embedding``, ``GPT2Head``.
     checkpoint.py  ``load_blocks`` / ``load_client_parts``: read only the needed safetensors tensors.

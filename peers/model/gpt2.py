@@ -11,6 +11,7 @@ import logging
 import torch
 from torch import nn
 
+from .adapters import adapt
 from .blocks import ACTIVATION_FNS, KV, append_kv, causal_attention
 from .config import ModelConfig
 
@@ -18,7 +19,8 @@ logger = logging.getLogger(__name__)
 
 
 class Conv1D(nn.Module):
-    """Affine map ``x @ weight + bias`` with ``weight`` stored as ``[in_features, out_features]``."""
+    """Affine map ``x @ weight + bias`` with ``weight`` stored as ``[in_features, out_features]``; a LoRA may target
+    it (the active adapter's term is added, ``peers.model.adapters``)."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
@@ -28,7 +30,7 @@ class Conv1D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight)
-        return out.view(*x.shape[:-1], self.weight.shape[1])
+        return adapt(self, x, out.view(*x.shape[:-1], self.weight.shape[1]))
 
 
 class GPT2Attention(nn.Module):

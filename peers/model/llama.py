@@ -12,6 +12,7 @@ import math
 import torch
 from torch import nn
 
+from .adapters import Projection
 from .blocks import ACTIVATION_FNS, KV, append_kv, causal_attention
 from .config import ModelConfig
 
@@ -100,10 +101,10 @@ class LlamaAttention(nn.Module):
         h, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
         self.window = config.sliding_window_for(layer_idx)
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=config.attention_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_proj_bias)
+        self.q_proj = Projection(h, self.num_heads * d, bias=config.attention_bias)
+        self.k_proj = Projection(h, self.num_kv_heads * d, bias=config.attention_bias)
+        self.v_proj = Projection(h, self.num_kv_heads * d, bias=config.attention_bias)
+        self.o_proj = Projection(self.num_heads * d, h, bias=config.o_proj_bias)
         self.rotary = Rotary(config)
 
     def forward(
@@ -127,9 +128,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_proj = Projection(h, i, bias=bias)
+        self.up_proj = Projection(h, i, bias=bias)
+        self.down_proj = Projection(i, h, bias=bias)
         self.act = ACTIVATION_FNS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from peers.model.adapters import Active, using
 from peers.server import metrics
 from peers.server.kv_sessions import Session
 
@@ -30,11 +31,13 @@ class _Task:
     future: asyncio.Future = field(repr=False)
     session: Session | None = None  # an inference step, else a stateless forward
     owner: str = ""  # the client (peer id) it runs for: batches take turns between clients
+    adapter: Active | None = field(default=None, repr=False)  # LoRA active for this task only (never shared)
 
     @property
     def batch_key(self) -> tuple:
         seq = self.hidden.shape[1]
-        return self.session is not None, self.start, self.end, seq, self.hidden.shape[2:], self.hidden.dtype
+        return (self.session is not None, self.start, self.end, seq, self.hidden.shape[2:], self.hidden.dtype,
+                id(self.adapter))  # only tasks with the same adapter (or none) share a batch
 
 
 class StageBackend:
@@ -75,11 +78,12 @@ class StageBackend:
             await asyncio.gather(self._runner, return_exceptions=True)
         self._executor.shutdown(wait=True, cancel_futures=True)
 
-    async def forward(self, hidden: torch.Tensor, start: int, end: int, owner: str = "") -> torch.Tensor:
-        """Hidden states ``[batch, seq, hidden]`` through blocks ``[start, end)`` for client ``owner``; validated
-        by the caller."""
+    async def forward(self, hidden: torch.Tensor, start: int, end: int, owner: str = "",
+                      adapter: Active | None = None) -> torch.Tensor:
+        """Hidden states ``[batch, seq, hidden]`` through blocks ``[start, end)`` for client ``owner`` (with
+        ``adapter`` active, if given); validated by the caller."""
         return await self._submit(_Task(hidden, start, end, asyncio.get_running_loop().create_future(),
-                                        owner=owner))
+                                        owner=owner, adapter=adapter))
 
     async def inference_step(self, session: Session, hidden: torch.Tensor, position: int) -> torch.Tensor:
         """Tokens ``[position, position + T)`` of ``session`` through its blocks, extending its KV cache.
@@ -88,7 +92,7 @@ class StageBackend:
         """
         session.truncate(position)
         task = _Task(hidden, session.start, session.end, asyncio.get_running_loop().create_future(), session,
-                     session.owner)
+                     session.owner, session.adapter)
         return await self._submit(task)
 
     async def drain(self, timeout: float) -> bool:
@@ -187,8 +191,9 @@ class StageBackend:
         hidden = torch.cat([t.hidden for t in batch]).to(self.device, self.dtype)
         batch_size, seq_len = hidden.shape[:2]
         position_ids = torch.arange(seq_len, device=self.device).expand(batch_size, seq_len)
-        for block in self._span(batch[0]):
-            hidden, _ = block(hidden, position_ids)
+        with using(batch[0].adapter):  # the batch's adapter (all its tasks have the same), this call only
+            for block in self._span(batch[0]):
+                hidden, _ = block(hidden, position_ids)
         hidden = hidden.to("cpu", batch[0].hidden.dtype)
         return list(hidden.split([len(t.hidden) for t in batch]))
 
@@ -214,7 +219,8 @@ class StageBackend:
         new_past: list[list] = [[] for _ in sessions]
         for i, block in enumerate(blocks):
             past = _batched_past(sessions, i, longest) if longest else None
-            hidden, (k, v) = block(hidden, position_ids, past, key_mask)
+            with using(batch[0].adapter):  # the batch's adapter (all its tasks have the same), this call only
+                hidden, (k, v) = block(hidden, position_ids, past, key_mask)
             if len(batch) == 1:  # k, v are fresh tensors: keep them without a copy
                 new_past[0].append((k, v))
                 continue

@@ -22,6 +22,7 @@ import torch
 
 from peers.core.chunks import first_tokens
 from peers.model import KV
+from peers.model.adapters import Active
 from peers.wire.errors import CAPACITY_REFUSAL, CapacityError, RequestError
 from peers.wire.messages import InferenceOpen
 
@@ -52,6 +53,7 @@ class Session:
     order: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)  # chain steps of this session, in turn
     moved: str = ""  # the peer moved to another span: its later steps get this refusal (``moved: ...``)
     compression: str = ""  # the codec of its outputs, to the client and downstream (``InferenceOpen.compression``)
+    adapter: Active | None = field(default=None, repr=False)  # the LoRA it runs with (this session only)
 
     @property
     def reserved_tokens(self) -> int:

@@ -16,6 +16,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from peers.core.aio import deadline
+from peers.model.adapters import Active
 from peers.server.backend import StageBackend
 from peers.server.calls import Call, Deferred, Responses, StreamCalls, codec_of, elapsed_ms, reply, tensor_reply
 from peers.server.chain_calls import ChainCalls, check_step
@@ -33,10 +34,12 @@ class SessionCalls(StreamCalls):
 
     def __init__(self, backend: StageBackend, sessions: SessionRegistry, info: StageInfo, *,
                  check_hidden: Callable[..., None], request_timeout: float, require_encryption: bool,
-                 chain: ChainCalls, check_blocks: Callable[[int, int], None] | None = None) -> None:
+                 chain: ChainCalls, check_blocks: Callable[[int, int], None] | None = None,
+                 resolve_adapter: Callable[[str, str, int, int], Active | None] | None = None) -> None:
         super().__init__(info, request_timeout=request_timeout, require_encryption=require_encryption)
         self.backend, self.sessions, self.check_hidden, self.chain = backend, sessions, check_hidden, chain
         self.check_blocks = check_blocks  # the peer's span check (a ``moved:`` refusal for a span it left)
+        self.resolve_adapter = resolve_adapter  # what a session naming an adapter runs with (issue 19)
 
     async def open(self, request: InferenceOpen, call: Call) -> Responses:
         """Open (or resume) a session."""
@@ -49,12 +52,19 @@ class SessionCalls(StreamCalls):
                     self.check_blocks(request.start, request.end)
                 self.chain.check_open(request.upstream, request.downstream)
                 Codec.parse(request.compression or "none")  # ValueError: refused, with what it takes
+            adapter = None
+            if request.adapter and not request.resume:
+                if self.resolve_adapter is None:
+                    raise RequestError("this peer runs no adapters")
+                adapter = self.resolve_adapter(call.caller, request.adapter, request.start, request.end)
             live = any(self.sessions.sessions.get(i) is s for i, s in owned.items())
             session = await self.sessions.open(request, call.caller, (self.info.start, self.info.end),
                                                wait=0.0 if live else None)
         except (RequestError, ValueError) as e:
             logger.info("rpc_inference(peer=%s) open refused: %s", short_id(call.caller), e)
             return [reply(error=str(e))]
+        if not request.resume:
+            session.adapter = adapter
         owned[session.session_id] = session
         return [reply(length=session.length)]
 

@@ -33,6 +33,7 @@ from peers.core.devices import resolve_device, resolve_dtype
 from peers.core.ids import DTYPES
 from peers.core.progress import load_progress
 from peers.model import ModelConfig, StageBlocks, load_blocks
+from peers.server.adapter_runs import AdapterRuns
 from peers.server.backend import StageBackend
 from peers.server.block_timing import measure_block
 from peers.server.chain_calls import ChainCalls
@@ -162,7 +163,7 @@ class StageServer:
                 compute = None if self.config.throughput else self._measure(blocks)
                 self.throughput = self.config.throughput or 1.0 / compute.forward  # type: ignore[union-attr]
                 self._stage = await self._make_stage(blocks, start, end)
-                if self._stage.training is not None:
+                if self._stage.training is not None and self._stage.training.trainers.enabled:
                     await self._fetch_from_replica(self._stage.training, start, end)
                 stage = self._stage
                 handler = self._make_handler(stage.backend, stage.info, stage.sessions, stage.training)
@@ -398,21 +399,29 @@ class StageServer:
     def _training(self, blocks, info: StageInfo, *, moved: str = "", carried_step: int = 0) -> TrainingRPC | None:
         """The training side, if the operator allows trainers (``--trainers``): it trains the weights we serve. After
         a move, the newest checkpoint of exactly this span wins over the weights carried over or fetched."""
-        policy = self.config.trainer_policy()
-        if not policy.enabled:
-            if not moved:
-                logger.info("Training is off: pass --trainers PEER_ID[,...] (or members, or anyone) to let trainers "
-                            "train these blocks")
+        policy, adapters = self.config.trainer_policy(), self.config.adapter_policy()
+        if not policy.enabled and not moved:
+            logger.info("Training of these blocks is off: pass --trainers PEER_ID[,...] (or members, or anyone) to "
+                        "let trainers train them%s", f"; adapter runs allowed for {adapters.describe()}"
+                        if adapters.enabled else "")
+        if not policy.enabled and not adapters.enabled:
             return None
         if not moved and policy.anyone:
             logger.warning("--trainers anyone: %s may train these blocks, and every client then computes with what "
                            "it trained", policy.describe())
         elif not moved:
             logger.info("Training allowed for %s", policy.describe())
-        training = TrainingRPC(blocks, info, trainers=policy, checkpoint_dir=self.config.checkpoint_dir,
+        def side(adapter_mode: bool = False) -> TrainingRPC:
+            return TrainingRPC(blocks, info, trainers=policy, checkpoint_dir=self.config.checkpoint_dir,
                                stream_for=self.links.get,  # type: ignore[union-attr]
-                               chain_timeout=self.config.request_timeout, links=self.link_table)
+                               chain_timeout=self.config.request_timeout, links=self.link_table,
+                               adapter_mode=adapter_mode)
+
+        training = side()
+        training.adapter_runs = AdapterRuns(lambda: side(adapter_mode=True), adapters, blocks)  # LoRA (issue 19)
         training.moved = moved
+        if not policy.enabled:  # adapters only: the blocks are the model's, never trained here
+            return training
         if training.resume_latest() is None and carried_step:  # our own checkpoint first, else what we carried
             training.carried_step = training.fetched_step = carried_step
         return training
@@ -497,6 +506,8 @@ async def _close_stage(stage: _Stage) -> None:
     if stage.training is not None and not stage.training.retired:
         stage.training.shutdown()  # finishes the running computation first
         stage.training.save_unsaved()
+        if stage.training.adapter_runs is not None:
+            stage.training.adapter_runs.save_all("before leaving")
 
 
 async def _quietly(coro, what: str) -> None:

@@ -21,6 +21,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from peers.core.aio import deadline
+from peers.model.adapters import Active
 from peers.server import metrics
 from peers.server.backend import StageBackend
 from peers.server.calls import (
@@ -43,6 +44,7 @@ from peers.server.training_rpc import TrainingRPC, training_refusal
 from peers.wire.errors import RequestError
 from peers.wire.framing import ERROR, FrameWriter, IncomingFrames, encode
 from peers.wire.messages import (
+    AdapterLoad,
     ForwardRequest,
     InferenceClose,
     InferenceHello,
@@ -109,11 +111,12 @@ class StreamHandler(StreamCalls):
         self.chain = ChainCalls(backend, sessions, info, check_hidden=self.check_hidden, request_timeout=timeout,
                                 require_encryption=encrypted, stream_for=self.stream_for)
         inference = SessionCalls(backend, sessions, info, check_hidden=self.check_hidden, request_timeout=timeout,
-                                 require_encryption=encrypted, chain=self.chain, check_blocks=self.check_blocks)
+                                 require_encryption=encrypted, chain=self.chain, check_blocks=self.check_blocks,
+                                 resolve_adapter=self.resolve_adapter)
         self.handlers.update({
             ForwardRequest: self.forward, InferenceOpen: inference.open, InferenceStep: inference.steps,
             InferenceClose: inference.close, InferencePush: self.chain.push,
-            InferenceRelink: self.chain.relink, InferenceReplay: self.chain.replay,
+            InferenceRelink: self.chain.relink, InferenceReplay: self.chain.replay, AdapterLoad: self.load_adapter,
         })
         if training is not None:
             calls = TrainingCalls(training, info, check_hidden=self.check_hidden, request_timeout=timeout,
@@ -298,6 +301,28 @@ class StreamHandler(StreamCalls):
             return reply(error=f"handshake refused: {e}")
         return runtime_pb2.ExpertResponse(metadata=InferenceReply(handshake=handshake, heartbeat=period).to_bytes())
 
+    def resolve_adapter(self, caller: str, name: str, start: int, end: int) -> Active | None:
+        """The LoRA a request of ``caller`` naming adapter ``name`` runs with (``peers.server.session_adapters``)."""
+        if not name:
+            return None
+        runs = self.training.adapter_runs if self.training is not None else None
+        if runs is None:
+            raise RequestError("this peer runs no adapters: its operator started it with --adapters none")
+        return runs.resolve(caller, name, start, end)
+
+    async def load_adapter(self, request: AdapterLoad, call: Call) -> Responses:
+        """Keep the caller's adapters (an exported folder's) for its own sessions and forwards on our blocks."""
+        try:
+            flat = await self.read_tensor(call) if call.message.tensors else None
+            runs = self.training.adapter_runs if self.training is not None else None
+            if runs is None or not runs.policy.allows(call.caller):
+                raise RequestError("this peer runs no adapters for you (its operator's --adapters)")
+            runs.sessions.load(call.caller, request, flat)
+        except (RequestError, ValueError) as e:
+            logger.info("adapter_load(%r) from %s refused: %s", request.name[:64], short_id(call.caller), e)
+            return [reply(error=str(e))]
+        return [reply()]
+
     async def forward(self, request: ForwardRequest, call: Call) -> Responses:
         """A stateless forward through ``[start, end)``: one sealed tensor in, one out."""
         try:
@@ -308,8 +333,9 @@ class StreamHandler(StreamCalls):
             codec = Codec.parse(request.compression or "none")
             backend = self.backend
             assert backend is not None  # a backup has no forward handler
+            adapter = self.resolve_adapter(call.caller, request.adapter, request.start, request.end)
             async with deadline(self.request_timeout):
-                output = await backend.forward(hidden, request.start, request.end, call.caller)
+                output = await backend.forward(hidden, request.start, request.end, call.caller, adapter)
         except (RequestError, ValueError, asyncio.TimeoutError) as e:
             error = str(e) or f"forward exceeded the deadline of {self.request_timeout:.0f} s"
             logger.info("forward(blocks=%s:%s) refused: %s", request.start, request.end, error)

@@ -12,7 +12,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from peers.server.calls import Call, Deferred, Responses, StreamCalls, defer, elapsed_ms, reply, tensor_reply
-from peers.server.training_rpc import TrainingRPC
+from peers.server.training_rpc import TrainingRPC, frozen_base
 from peers.wire.errors import ChainError, RequestError
 from peers.wire.messages import (
     InferenceReply,
@@ -41,9 +41,20 @@ class TrainingCalls(StreamCalls):
         super().__init__(info, request_timeout=request_timeout, require_encryption=require_encryption)
         self.training, self.check_hidden = training, check_hidden
 
+    def _rpc(self, run_id: str) -> TrainingRPC:
+        """The side that serves run ``run_id``: its adapter run's (``peers.server.adapter_runs``), else the base."""
+        runs = self.training.adapter_runs
+        return (runs.get(run_id) if runs is not None else None) or self.training
+
     async def open(self, request: TrainOpen, call: Call) -> Responses:
         try:
-            step = await self.training.open(request, call.stream)
+            runs = self.training.adapter_runs
+            if frozen_base(request) and runs is not None:
+                step = await runs.open(request, call.stream, call.caller)
+            elif runs is not None and runs.get(request.run_id) is not None:
+                raise RequestError(f"run {request.run_id[:64]!r} trains adapters here: open it with its adapter spec")
+            else:
+                step = await self.training.open(request, call.stream)
         except (RequestError, ValueError) as e:
             logger.info("train_open(run=%r) refused: %s", request.run_id, e)
             return [reply(error=str(e))]
@@ -51,17 +62,18 @@ class TrainingCalls(StreamCalls):
 
     async def apply(self, request: TrainApply, call: Call) -> Responses:
         try:
-            step = await self.training.apply(request, call.stream)
+            step = await self._rpc(request.run_id).apply(request, call.stream)
         except (RequestError, ValueError) as e:
             return [reply(error=str(e))]
         return [runtime_pb2.ExpertResponse(metadata=InferenceReply(step=step).to_bytes())]
 
     async def fetch(self, request: ParamsFetch, call: Call) -> Responses:
+        rpc = self._rpc(request.run_id)
         try:
-            flat = self.training.current_params(request)
+            flat = rpc.current_params(request)
         except RequestError as e:
             return [reply(error=str(e))]
-        return tensor_reply(flat, InferenceReply(step=self.training.step), call.stream)
+        return tensor_reply(flat, InferenceReply(step=rpc.step), call.stream)
 
     async def tensor_call(self, request: TrainForward | TrainBackward | ParamsPush, call: Call
                           ) -> Responses | Deferred:
@@ -69,29 +81,29 @@ class TrainingCalls(StreamCalls):
         empty reply); a refusal applies nothing. One naming a peer neighbour is chained (``chained``)."""
         if isinstance(request, (TrainForward, TrainBackward)) and (request.upstream or request.downstream):
             return await self.chained(request, call)
+        rpc = self._rpc(request.run_id)
         try:
             tensor = await self.read_tensor(call)
             started = time.perf_counter()
             if isinstance(request, ParamsPush):
-                self.training.receive_params(request, tensor, call.caller)
+                rpc.receive_params(request, tensor, call.caller)
                 return [reply()]
             if isinstance(request, TrainForward):
                 self.check_hidden(tensor)
-                output = await self.training.forward(request, tensor, call.stream)
+                output = await rpc.forward(request, tensor, call.stream)
             else:
                 if request.recompute and tensor.ndim == 4:
                     self.check_hidden(tensor.flatten(0, 1), max_rows=2 * self.info.max_batch_size)
                 else:
                     self.check_hidden(tensor)
-                output = await self.training.backward(request, tensor, call.stream)
+                output = await rpc.backward(request, tensor, call.stream)
         except (RequestError, ValueError) as e:  # GradientError is a ValueError
             if isinstance(request, TrainBackward):
-                self.training.drop(request, call.stream)  # a refused backward drops its micro-batch
+                rpc.drop(request, call.stream)  # a refused backward drops its micro-batch
             logger.info("%s(run=%r, %s) refused: %s", type(request).__name__, request.run_id,
                         getattr(request, "micro_id", getattr(request, "round", "")), e)
             return [reply(error=str(e))]
-        return tensor_reply(output, InferenceReply(step=self.training.step, compute_ms=elapsed_ms(started)),
-                            call.stream)
+        return tensor_reply(output, InferenceReply(step=rpc.step, compute_ms=elapsed_ms(started)), call.stream)
 
     async def push(self, request: TrainPush, call: Call) -> Responses:
         """An adjacent stage's output (or grad) for a micro-batch of our run: into the inbox, acked at once."""
@@ -99,7 +111,7 @@ class TrainingCalls(StreamCalls):
             tensor, indices = await self.read_coded(call)
             started = time.perf_counter()
             self.check_hidden(tensor)
-            self.training.receive_push(request, tensor, call.caller, indices)
+            self._rpc(request.run_id).receive_push(request, tensor, call.caller, indices)
         except (RequestError, ValueError) as e:
             logger.info("train_push(run=%r, %s) from %s refused: %s", request.run_id, request.micro_id[:64],
                         short_id(call.caller), e)
@@ -108,18 +120,20 @@ class TrainingCalls(StreamCalls):
         return [runtime_pb2.ExpertResponse(metadata=InferenceReply(compute_ms=elapsed_ms(started)).to_bytes())]
 
     async def fetch_kept(self, request: TrainFetch, call: Call) -> Responses:
+        rpc = self._rpc(request.run_id)
         try:
-            tensor = self.training.kept(request, call.stream)
+            tensor = rpc.kept(request, call.stream)
         except RequestError as e:
             return [reply(error=str(e))]
-        return tensor_reply(tensor, InferenceReply(step=self.training.step), call.stream)
+        return tensor_reply(tensor, InferenceReply(step=rpc.step), call.stream)
 
     async def chained(self, request: TrainForward | TrainBackward, call: Call) -> Responses | Deferred:
         """A forward or backward whose input comes from a peer (no tensor here: deferred until its push) or whose
         result goes to one (pushed there, the reply carries none)."""
         backward = isinstance(request, TrainBackward)
+        rpc = self._rpc(request.run_id)
         try:
-            self.training.check_chained(request, call.stream)
+            rpc.check_chained(request, call.stream)
             if request.upstream:
                 if call.message.tensors:
                     await self.skip_tensor(call)
@@ -130,7 +144,7 @@ class TrainingCalls(StreamCalls):
                 self.check_hidden(tensor)
         except (RequestError, ValueError) as e:
             if backward:
-                self.training.drop(request, call.stream)
+                rpc.drop(request, call.stream)
             logger.info("chained %s(run=%r, %s) refused: %s", type(request).__name__, request.run_id,
                         request.micro_id[:64], e)
             return [reply(error=str(e))]
@@ -138,18 +152,19 @@ class TrainingCalls(StreamCalls):
 
     async def _chained(self, request: TrainForward | TrainBackward, tensor: torch.Tensor | None,
                        indices: torch.Tensor | None, call: Call) -> Responses:
+        rpc = self._rpc(request.run_id)
         try:
-            output, compute_ms = await self.training.chain.run(request, tensor, call.stream, indices, call.caller)
+            output, compute_ms = await rpc.chain.run(request, tensor, call.stream, indices, call.caller)
         except ChainError as e:  # our result could not reach the next peer: that peer failed, not us
             logger.info("%s(run=%r, %s): %s", type(request).__name__, request.run_id, request.micro_id[:64], e)
-            failed = InferenceReply(error=str(e), failed_peer=e.failed_peer, step=self.training.step)
+            failed = InferenceReply(error=str(e), failed_peer=e.failed_peer, step=rpc.step)
             return [runtime_pb2.ExpertResponse(metadata=failed.to_bytes())]
         except (RequestError, ValueError) as e:  # GradientError is a ValueError
             if isinstance(request, TrainBackward):
-                self.training.drop(request, call.stream)
+                rpc.drop(request, call.stream)
             logger.info("%s(run=%r, %s) refused: %s", type(request).__name__, request.run_id, request.micro_id[:64], e)
             return [reply(error=str(e))]
-        metadata = InferenceReply(step=self.training.step, compute_ms=compute_ms)
+        metadata = InferenceReply(step=rpc.step, compute_ms=compute_ms)
         if output is None:
             return [runtime_pb2.ExpertResponse(metadata=metadata.to_bytes())]
         return tensor_reply(output, metadata, call.stream)

@@ -10,6 +10,12 @@ Replicas of a span never replace newer weights with older ones. A restarted peer
 reports a replica that serves another step (it cannot tell that replica's run); when a trainer opens the run, a
 replica behind the run's most advanced replica fetches that one's parameters (the trainer names the replicas, most
 advanced first, and the step to reach), and a checkpoint never overwrites a newer step of the same run.
+
+A run that names a LoRA ``adapter`` trains only its own adapters on the frozen blocks (``peers.training.lora``):
+each such run is a ``TrainingRPC`` of its own (``adapter_mode``) in the peer's ``AdapterRuns``
+(``peers.server.adapter_runs``), so several users' adapter runs and a base run share the blocks, each on its own
+thread, none changing what the others or any inference session computes. Who may: ``--adapters`` (default anyone);
+base training still needs ``--trainers``.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from peers.model.blocks import StageBlocks
 from peers.server.averaging import ReplicaAverager, StreamFor, round_at
 from peers.server.training_chain import MAX_SCALE, TrainChain
 from peers.training import GradientError, OptimConfig, StageTrainer
-from peers.training.state import read_state_info, stage_checkpoint_path
+from peers.training.lora import LoraAdapter, parse_adapter
+from peers.training.state import read_state_info, run_checkpoint_dir, stage_checkpoint_path
 from peers.wire.errors import MovedError, RequestError
 from peers.wire.messages import (
     ParamsFetch,
@@ -51,11 +58,21 @@ MAX_PENDING = 64  # micro-batches forwarded and not yet backwarded, per run
 TRAINER_KINDS = (TrainOpen, TrainForward, TrainBackward, TrainApply, TrainFetch)  # what only an allowed trainer sends
 
 
+def frozen_base(request: TrainOpen) -> bool:
+    """A run that leaves the blocks' own weights alone (LoRA adapters; prompt tuning adds its fields here): it opens
+    on the adapter side (``AdapterRuns``), allowed by ``--adapters``, never by ``--trainers``."""
+    return bool(request.adapter)
+
+
 def training_refusal(training: TrainingRPC | None, request: object, caller: str) -> str:
     """Why peer ``caller`` may not make this training request here ('' if it may). Replicas' pushes are checked
     against the run's replicas on arrival; a fetch of the current parameters is open to anyone admitted."""
     if training is None:
         return TrainerPolicy().refusal(caller)
+    runs = training.adapter_runs
+    if runs is not None and ((isinstance(request, TrainOpen) and frozen_base(request))
+                             or runs.get(getattr(request, "run_id", "")) is not None):
+        return runs.refusal(request, caller)  # an adapter run: --adapters, and only its own trainer
     if isinstance(request, TRAINER_KINDS):
         return training.trainers.refusal(caller)
     return ""
@@ -75,7 +92,8 @@ class TrainingRPC:
 
     def __init__(self, blocks: StageBlocks, info: StageInfo, *, trainers: TrainerPolicy,
                  checkpoint_dir: Path | None = None, stream_for: StreamFor | None = None,
-                 average_timeout: float = 30.0, chain_timeout: float = 60.0, links: LinkTable | None = None) -> None:
+                 average_timeout: float = 30.0, chain_timeout: float = 60.0, links: LinkTable | None = None,
+                 adapter_mode: bool = False) -> None:
         self.blocks, self.info, self.checkpoint_dir, self.trainers = blocks, info, checkpoint_dir, trainers
         self.stream_for, self.average_timeout = stream_for, average_timeout  # streams to other peers (averaging)
         self.averager: ReplicaAverager | None = None
@@ -94,6 +112,9 @@ class TrainingRPC:
         # pushes from/to the adjacent stages; ``links``: our measured links (adaptive compression)
         self.chain = TrainChain(self, stream_for, timeout=chain_timeout, links=links)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-train")
+        self.adapter_mode = adapter_mode  # this object serves one adapter run (``peers.server.adapter_runs``)
+        self.adapter_owner = ""  # its trainer's peer id
+        self.adapter_runs: Any = None  # the base side's registry of adapter runs (``AdapterRuns``), set by the server
 
     @property
     def step(self) -> int:
@@ -127,6 +148,7 @@ class TrainingRPC:
         if request.average_every and request.replicas and self.stream_for is None:
             raise RequestError("this peer cannot reach other peers to average with its replicas")
         self.chain.check_open(request)
+        self._check_adapter(request)
         try:
             optim = OptimConfig.from_dict(request.optim)
         except (TypeError, ValueError) as e:
@@ -156,13 +178,43 @@ class TrainingRPC:
                     self.info.end, request.accumulation, self.trainer.step)
         return self.trainer.step
 
+    def _check_adapter(self, request: TrainOpen) -> None:
+        """An adapter run opens only on an adapter-mode side, with the spec it was made with, and no replicas."""
+        if frozen_base(request) != self.adapter_mode:
+            raise RequestError(f"run {request.run_id[:64]!r} trains adapters here: open it with its adapter spec"
+                               if self.adapter_mode else "an adapter run is opened on the adapter side")
+        if not self.adapter_mode:
+            return
+        try:
+            spec = parse_adapter(request.adapter)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        if self.trainer is not None and self.trainer.adapter is not None and self.trainer.adapter.spec != spec:
+            raise RequestError(f"run {request.run_id[:64]!r} trains the adapter {self.trainer.adapter.spec.text()} "
+                               f"here, not {request.adapter[:100]}: use another run id for another adapter")
+        if [p for p in request.replicas if p != self.info.peer_id] or request.average_every:
+            raise RequestError("an adapter run takes one peer per span: averaging replicas' adapters is not "
+                               "supported yet")
+
     def _switch(self, request: TrainOpen, optim: OptimConfig) -> None:
         """Save the run we leave, then start ``request.run_id`` from our checkpoint of it if we have one."""
         self.save_unsaved(f"before switching to run {request.run_id!r}")
+        spec = parse_adapter(request.adapter)
+        try:
+            adapter = LoraAdapter(self.blocks, spec, request.adapter_seed) if spec is not None else None
+        except ValueError as e:
+            raise RequestError(str(e)) from None
         self.trainer = StageTrainer(self.blocks, optim, request.accumulation, keep_activations=request.keep_activations,
-                                    max_pending=MAX_PENDING, auto_step=not request.explicit_apply)
+                                    max_pending=MAX_PENDING, auto_step=not request.explicit_apply, adapter=adapter,
+                                    frozen_base=self.adapter_mode)
+        self.trainer.owner = self.adapter_owner
         self.run_id = request.run_id
         path = self._checkpoint_path()
+        if self.adapter_mode and path is not None and (path / "state.json").is_file() and \
+                read_state_info(path).get("owner") != self.adapter_owner:
+            self.trainer = None
+            raise RequestError(f"run {request.run_id[:64]!r}: the adapters saved on this peer belong to another "
+                               "trainer: pick another run id")
         if path is not None and (path / "state.json").is_file():
             self.trainer.load(path)
             logger.info("Run %r: resumed blocks %d:%d from %s at step %d", self.run_id, self.info.start,
@@ -322,11 +374,18 @@ class TrainingRPC:
         drop the run (its trainer's next request gets ``refusal``, a ``moved:`` one) and stop the training thread."""
         self.moved, self.retired = refusal, True
         self.chain.reset(refusal)  # chained waits of the run fail now
+        if self.adapter_runs is not None:
+            await self.adapter_runs.retire(refusal)
         await self._compute(self.save_unsaved, "before moving to another span")
         self.trainer, self.owner, self.averager = None, None, None
         self.shutdown()
 
     def _params(self, start: int | None, end: int | None) -> list[torch.nn.Parameter]:
+        if self.adapter_mode:  # an adapter run's parameters are its adapter's, whole
+            if (start, end) not in ((None, None), (self.info.start, self.info.end)):
+                raise RequestError(f"an adapter run's parameters come for its whole span {self.info.start}:"
+                                   f"{self.info.end}")
+            return self.trainer.part.params if self.trainer is not None else []
         first = 0 if start is None else start - self.info.start
         last = len(self.blocks) if end is None else end - self.info.start
         return [p for block in list(self.blocks)[first:last] for p in block.parameters()]
@@ -355,6 +414,8 @@ class TrainingRPC:
             self.trainer.reset_accumulation()
             self.owner = None
             self.chain.reset("the trainer's stream closed")
+        if self.adapter_runs is not None:
+            self.adapter_runs.stream_closed(stream)
 
     def save_unsaved(self, why: str = "before leaving") -> Path | None:
         """Checkpoint the run's last applied step unless it is saved already: before the peer leaves, or before it
@@ -378,6 +439,8 @@ class TrainingRPC:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+        if self.adapter_runs is not None:
+            self.adapter_runs.shutdown()
 
     # ---- internals --------------------------------------------------------------------------------
     def _trainer(self, run_id: str, stream: object) -> StageTrainer:
@@ -395,6 +458,8 @@ class TrainingRPC:
     def _checkpoint_path(self) -> Path | None:
         if self.checkpoint_dir is None:
             return None
+        if self.adapter_mode:
+            return adapter_checkpoint_path(self.checkpoint_dir, self.run_id, self.info.start, self.info.end)
         return stage_checkpoint_path(self.checkpoint_dir, self.run_id, self.info.start, self.info.end)
 
     async def _fetch(self, peer_id: str, timeout: float) -> tuple[int, torch.Tensor]:
@@ -467,6 +532,11 @@ class TrainingRPC:
         if path is not None and self.checkpoint_every and trainer.step % self.checkpoint_every == 0 and \
                 await self._compute(self._save, trainer, path):
             logger.info("Run %r: step %d checkpointed to %s", self.run_id, trainer.step, path)
+
+
+def adapter_checkpoint_path(checkpoint_dir: str | Path, run_id: str, start: int, end: int) -> Path:
+    """``checkpoint_dir/<run id>/adapter-START-END``: a peer's share of an adapter run (adapter + AdamW state)."""
+    return run_checkpoint_dir(checkpoint_dir, run_id) / f"adapter-{start}-{end}"
 
 
 def _positions(hidden: torch.Tensor) -> torch.Tensor:

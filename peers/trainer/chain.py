@@ -204,6 +204,6 @@ async def micro_batch(trainer: Any, run: StepRun, input_ids: torch.Tensor, index
         if record is not None:
             record.backward(k, index, grad if k == last else None, reply.step, ordered=False)
     embedding_grads = torch.autograd.grad(embedded, run.params, grad_input.to(client.device, client.dtype),
-                                          allow_unused=True)
+                                          allow_unused=True) if run.params else []
     trainer.part.add(head_grads, embedding_grads)
     return float(loss.detach())

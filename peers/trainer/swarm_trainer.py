@@ -60,6 +60,7 @@ from peers.trainer.replay import StageShare, StepRecord, recover
 from peers.trainer.run_plan import RunPlanner
 from peers.trainer.step_run import StepRun
 from peers.training import OptimConfig, PartOptimizer, loss_of, unique_parameters
+from peers.training.lora import parse_adapter
 from peers.training.versions import WeightVersions
 from peers.wire.errors import ChainError, MovedError, RequestError
 from peers.wire.messages import TrainApply, TrainBackward, TrainForward, TrainOpen
@@ -106,7 +107,8 @@ class SwarmTrainer:
                  checkpoint_every: int = 0, average_every: int = 0, outer_lr: float = 1.0,
                  outer_momentum: float = 0.0, rechoose_every: float = 30.0, pipeline_wait: float = 60.0,
                  topology: str = "chain", plan: bool = False, compression: str = "none",
-                 stage_compression: dict[int, str] | None = None, staleness: int = 0) -> None:
+                 stage_compression: dict[int, str] | None = None, staleness: int = 0, adapter: str = "",
+                 adapter_seed: int = 0) -> None:
         if accumulation < 1 or in_flight < 1:
             raise ValueError("accumulation and in_flight must be >= 1")
         if staleness not in (0, 1):
@@ -146,9 +148,13 @@ class SwarmTrainer:
         self.replicas: list[list[PeerRecord]] = []  # per stage: the peers serving its span in this run
         self.assignment: list[list[int]] = []  # per stage: which replica takes micro-batch i of a step
         self.shares: list[list[int]] = []  # per stage: micro-batches per step of each replica
-        for module in (client.embedding, client.head):
-            module.requires_grad_(True).train()
-        self.part = PartOptimizer(unique_parameters(client.embedding, client.head), optim)
+        # a LoRA run (``peers.training.lora``) trains only the adapters the stages hold for it, made from
+        # ``adapter_seed``: the embedding and head stay frozen here as the blocks do there
+        self.adapter, self.adapter_seed = (spec.text() if (spec := parse_adapter(adapter)) else ""), adapter_seed
+        if not self.adapter:
+            for module in (client.embedding, client.head):
+                module.requires_grad_(True).train()
+        self.part = PartOptimizer(unique_parameters(client.embedding, client.head) if not self.adapter else [], optim)
         self.stages: list[PeerRecord] = []
         self.steps_done = 0
         self.bytes_sent = 0  # hidden-state bytes the trainer sent to stages (before encryption overhead)
@@ -198,6 +204,8 @@ class SwarmTrainer:
     async def start_async(self, wait: float | None = None, groups: list[list[PeerRecord]] | None = None
                           ) -> list[PeerRecord]:
         groups = groups or await self._stage_groups(self.pipeline_wait if wait is None else wait)
+        if self.adapter:  # an adapter run lives on one peer per span (its adapters are not averaged between replicas)
+            groups = [group[:1] for group in groups]
         self._chosen_at, self._considered = time.monotonic(), {r.peer_id for group in groups for r in group}
         run_step = max(self.run_step, self.steps_done)
         self.replicas, self.assignment, self.shares = [], [], []
@@ -242,6 +250,7 @@ class SwarmTrainer:
             average_every=self.average_every, outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
             explicit_apply=True, run_step=run_step, upstream=upstream, downstream=downstream, staleness=self.staleness,
             compression=self.stage_compression.get(self._stage_index(record), self.compression.setting),
+            adapter=self.adapter, adapter_seed=self.adapter_seed,
         ), None)
         return reply.step
 
@@ -257,6 +266,8 @@ class SwarmTrainer:
         step count when the run is opened (``start_async``) and is averaged with the others every H steps.
         """
         self._chosen_at = time.monotonic()
+        if self.adapter:  # one peer per span: no replicas join an adapter run
+            return
         banned = self.client.router.banned()
         spans = {(group[0].start, group[0].end): i for i, group in enumerate(self.replicas)}
         joiners = [r for r in await self.client._fetch() if (r.start, r.end) in spans and r.peer_id not in banned
@@ -490,6 +501,6 @@ class SwarmTrainer:
             stage_steps[stage] = max(stage_steps[stage], reply.step)
             stage_busy[stage] += reply.compute_ms / 1e3
         embedding_grads = torch.autograd.grad(embedded, run.params, grad.to(client.device, client.dtype),
-                                              allow_unused=True)
+                                              allow_unused=True) if run.params else []
         self.part.add(head_grads, embedding_grads)
         return float(loss.detach())

@@ -14,6 +14,8 @@ Files:
     stage.py     ``StageTrainer`` (a peer's blocks: forward/backward per micro-batch) and ``GradientError``.
     state.py     ``save_stage_state``/``load_stage_state``: weights + AdamW state, written atomically.
     local.py     ``LocalTrainer``: the one-process reference with the same parts; ``loss_of``.
+    lora.py      ``parse_adapter`` (LoRA spec text), ``LoraAdapter``: a run's adapters for a stage's blocks.
+    lora_files.py  adapters as a ``peft`` folder (``save_peft_folder``, ``read_peft_folder``).
 """
 
 from .config import OptimConfig, TrainConfig

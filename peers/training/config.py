@@ -14,6 +14,8 @@ from typing import Any
 from peers.model.hub import HUB_ID, resolve_model
 from swarm.compression.policy import check_setting
 
+from .lora import parse_adapter
+
 SCHEDULES = ("constant", "linear", "cosine")
 MAX_LR = 1.0  # AdamW moves every weight by about lr per step: above 1 nothing trains, it only destroys
 MAX_CLIP_NORM = 1e6
@@ -141,6 +143,7 @@ _TRAIN_TYPES = {
     "checkpoint_dir": "path?", "checkpoint_every": "int", "seed": "int", "keep_activations": "bool",
     "compression": "str",
     "staleness": "int",
+    "adapter": "str",
 }
 _PATH_KEYS = ("model_dir", "data", "checkpoint_dir")
 
@@ -175,6 +178,9 @@ class TrainConfig:
     compression: str = "none"
     staleness: int = 0  # 1: asynchronous steps (each step's gradients at the weights before the previous update)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    # a LoRA spec ("lora:r=8,alpha=16,targets=q_proj+v_proj", ``peers.training.lora``): the run trains only these
+    # adapters, owned by the run, on frozen shared weights; "" trains the base weights (peers must allow the trainer)
+    adapter: str = ""
 
     def __post_init__(self) -> None:
         for key, kind in _TRAIN_TYPES.items():
@@ -197,6 +203,10 @@ class TrainConfig:
             problems.append(f"batch_size ({self.batch_size}) must be a multiple of micro_batch ({self.micro_batch})")
         try:
             self.compression = check_setting(self.compression)
+        except ValueError as e:
+            problems.append(str(e))
+        try:
+            parse_adapter(self.adapter)
         except ValueError as e:
             problems.append(str(e))
         if self.checkpoint_every and self.checkpoint_dir is None:

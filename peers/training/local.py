@@ -5,7 +5,8 @@ part per stage range) and gives each part its own AdamW and its own grad-norm cl
 run with the same stage ranges must reproduce its parameters and losses. With ``staleness=1`` each step's gradients
 are taken at the weights from before the previous step (w[n+1] = w[n] - lr * g(w[n-1]); the first step at w[0]),
 as a swarm run with asynchronous steps computes them: the old weights are copied in for the forwards and backwards,
-and the current ones back for the optimizer step.
+and the current ones back for the optimizer step. With ``adapter`` (a LoRA spec, ``peers.training.lora``) only each
+stage's adapter trains, made from ``seed`` as a stage peer makes it; the embedding, head and blocks stay frozen.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from peers.model.adapters import using
 from peers.model.checkpoint import load_blocks, load_client_parts
 from peers.model.config import ModelConfig
 from peers.model.local import default_position_ids
 
 from .config import OptimConfig
+from .lora import LoraAdapter, parse_adapter
 from .part import PartOptimizer, unique_parameters
 
 logger = logging.getLogger(__name__)
@@ -54,7 +57,8 @@ class LocalTrainer:
 
     def __init__(self, model_dir: str | Path, optim: OptimConfig, accumulation: int, *,
                  stages: Sequence[tuple[int, int]] | None = None, device: str | torch.device = "cpu",
-                 dtype: torch.dtype | None = torch.float32, staleness: int = 0) -> None:
+                 dtype: torch.dtype | None = torch.float32, staleness: int = 0, adapter: str = "", seed: int = 0
+                 ) -> None:
         if accumulation < 1:
             raise ValueError(f"accumulation must be >= 1, got {accumulation}")
         if staleness not in (0, 1):
@@ -65,12 +69,16 @@ class LocalTrainer:
         self.accumulation = accumulation
         ranges = check_stage_ranges(stages or [(0, self.config.num_layers)], self.config.num_layers)
         self.embedding, self.head = load_client_parts(model_dir, device=device, dtype=dtype)
-        for module in (self.embedding, self.head):
-            module.requires_grad_(True).train()
-        self.blocks = [load_blocks(model_dir, a, b, device=device, dtype=dtype).requires_grad_(True).train()
-                       for a, b in ranges]
-        self.client = PartOptimizer(unique_parameters(self.embedding, self.head), optim)
-        self.stage_parts = [PartOptimizer(b.parameters(), optim) for b in self.blocks]
+        spec = parse_adapter(adapter)
+        self.blocks = [load_blocks(model_dir, a, b, device=device, dtype=dtype) for a, b in ranges]
+        # a LoRA run trains each stage's adapter only; the base model stays frozen (as loaded)
+        self.adapters = [LoraAdapter(b, spec, seed) for b in self.blocks] if spec is not None else []
+        if spec is None:
+            for module in (self.embedding, self.head, *self.blocks):
+                module.requires_grad_(True).train()
+        self.client = PartOptimizer(unique_parameters(self.embedding, self.head) if spec is None else [], optim)
+        self.stage_parts = [PartOptimizer(a.params(), optim) for a in self.adapters] if spec is not None else \
+            [PartOptimizer(b.parameters(), optim) for b in self.blocks]
 
     @property
     def step(self) -> int:
@@ -81,8 +89,9 @@ class LocalTrainer:
         """Logits ``[B, T, vocab]`` for ``input_ids [B, T]`` (with grad when grad mode is on)."""
         positions = default_position_ids(input_ids)
         hidden = self.embedding.embed(input_ids, positions)
-        for blocks in self.blocks:
-            hidden, _ = blocks(hidden, positions)
+        for k, blocks in enumerate(self.blocks):
+            with using(self.adapters[k].deltas() if self.adapters else None):
+                hidden, _ = blocks(hidden, positions)
         return self.head.head(hidden)
 
     def train_step(self, micro_batches: Sequence[torch.Tensor]) -> float:

@@ -47,7 +47,8 @@ class PartOptimizer:
         self.params = list({id(p): p for p in params}.values())
         self.optim = optim
         self.guard = guard
-        self.optimizer = make_optimizer(self.params, optim)
+        # a part with nothing to train (the frozen base of an adapter or prompt run) still counts its steps
+        self.optimizer = make_optimizer(self.params or [nn.Parameter(torch.zeros(0))], optim)
         self.step_count = 0  # optimizer steps done
         self.last_grad_norm: float | None = None
 

@@ -13,6 +13,11 @@ kept copy of them (``peers.training.versions``), and its backward runs against t
 Gradients are checked before they touch the accumulators, so a bad micro-batch (``GradientError``) leaves
 parameters and accumulated grads as they were, and a step that would make a weight non-finite is rolled back and
 refused (``GradientError``): it is never served.
+
+A run with an ``adapter`` (``peers.training.lora``) trains only the adapter: the blocks stay frozen (they are never
+given ``requires_grad``, nor changed) and the adapter is active only in this trainer's own calls
+(``peers.model.adapters.using``), so inference sessions on the same blocks compute as before. ``frozen_base`` without
+an adapter: a run with nothing to train here (its steps are still counted).
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ from typing import Any
 import torch
 
 from peers.core.finite import all_finite
+from peers.model.adapters import using
 from peers.model.blocks import StageBlocks
 
 from .config import OptimConfig
+from .lora import LoraAdapter
 from .part import NonFiniteStep, PartOptimizer
 from .state import load_stage_state, save_stage_state
 from .versions import WeightVersions, call_with
@@ -54,17 +61,22 @@ class StageTrainer:
     """Training state of a ``StageBlocks`` on one peer: saved micro-batches, grads, AdamW, step count."""
 
     def __init__(self, blocks: StageBlocks, optim: OptimConfig, accumulation: int, *, keep_activations: bool = True,
-                 max_pending: int = 64, auto_step: bool = True) -> None:
+                 max_pending: int = 64, auto_step: bool = True, adapter: LoraAdapter | None = None,
+                 frozen_base: bool = False) -> None:
         if accumulation < 1:
             raise ValueError(f"accumulation must be >= 1, got {accumulation}")
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
-        self.blocks = blocks.requires_grad_(True).train()
+        self.adapter = adapter
+        self.owner = ""  # an adapter run: the peer id whose adapters they are (saved with them, checked on load)
+        self.frozen_base = frozen_base or adapter is not None
+        self.blocks = blocks if self.frozen_base else blocks.requires_grad_(True).train()
         self.accumulation = accumulation
         self.keep_activations = keep_activations
         self.max_pending = max_pending
         self.auto_step = auto_step  # step after ``accumulation`` backwards; else only when ``apply`` is called
-        self.part = PartOptimizer(self.blocks.parameters(), optim, guard=True)  # never commits NaN/inf weights
+        trainable = self.blocks.parameters() if not self.frozen_base else adapter.params() if adapter else []
+        self.part = PartOptimizer(trainable, optim, guard=True)  # never commits NaN/inf weights
         self.version = 0  # bumped whenever the weights change (optimizer step or load)
         self.micro_count = 0  # backward passes since the last optimizer step
         self._pending: dict[str, _Saved] = {}
@@ -106,7 +118,10 @@ class StageTrainer:
         the graph."""
         leaf = hidden.detach().requires_grad_(grad)
         with torch.set_grad_enabled(grad):
-            if weights is None:
+            if self.adapter is not None:
+                with using(self.adapter.deltas(weights)):
+                    out, _ = self.blocks(leaf, position_ids)
+            elif weights is None:
                 out, _ = self.blocks(leaf, position_ids)
             else:
                 by_id = {id(p): w for p, w in zip(self.part.params, weights, strict=True)}
@@ -224,15 +239,13 @@ class StageTrainer:
     def save(self, directory: str | Path) -> Path:
         """Write weights + AdamW state as of the last optimizer step (partial grads are not saved)."""
         with self._lock:
-            meta = {"kind": "stage", "start": self.blocks.start, "end": self.blocks.end}
-            return save_stage_state(directory, self.blocks, self.part.optimizer, self.step,
-                                    {**meta, "optim": self.part.optim.to_dict()})
+            return save_stage_state(directory, self._saved_part(), self.part.optimizer, self.step,
+                                    {**self._meta(), "optim": self.part.optim.to_dict()})
 
     def load(self, directory: str | Path) -> dict[str, Any]:
         """Restore weights, AdamW state and step from ``save``; drops pending micro-batches and partial grads."""
         with self._lock:
-            info = load_stage_state(directory, self.blocks, self.part.optimizer,
-                                    expect={"kind": "stage", "start": self.blocks.start, "end": self.blocks.end})
+            info = load_stage_state(directory, self._saved_part(), self.part.optimizer, expect=self._meta())
             self._pending.clear()
             self.part.zero_grad()
             self.part.step_count = int(info["step"])
@@ -240,6 +253,18 @@ class StageTrainer:
             self.version += 1
             self.versions.clear()
             return info
+
+    def _saved_part(self) -> torch.nn.Module:
+        """What this run trains, and saves: the adapter, nothing (a frozen base with no adapter), or the blocks."""
+        if self.adapter is not None:
+            return self.adapter
+        return torch.nn.Module() if self.frozen_base else self.blocks
+
+    def _meta(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"kind": "stage", "start": self.blocks.start, "end": self.blocks.end}
+        if self.adapter is not None:
+            meta.update(kind="adapter", adapter=self.adapter.spec.text(), owner=self.owner)
+        return meta
 
     def weights_replaced(self) -> None:
         """The weights were replaced without a step (a replica's parameters): graphs and the current copy are stale."""

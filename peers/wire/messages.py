@@ -69,6 +69,7 @@ class ForwardRequest(Message):
     start: int
     end: int
     compression: str = ""  # the codec of the request's tensor, for the reply's (``swarm.compression``; "": none)
+    adapter: str = ""  # LoRA adapters to run with, for this request only (``InferenceOpen.adapter``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +90,22 @@ class InferenceOpen(Message):
     # how the peer sends this session's outputs, to the client and pushed downstream (``swarm.compression`` codec
     # text, e.g. "fp16"; "": none, bit-exact)
     compression: str = ""
+    # LoRA adapters this session runs with (this session only): the run id of the caller's own adapter run on this
+    # peer, or the ``AdapterLoad.name`` of adapters the caller loaded here; "": the base model
+    adapter: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterLoad(Message):
+    """Load LoRA adapters (e.g. an exported ``peft`` folder's) for the caller's own sessions and forwards on blocks
+    ``[start, end)``: the message's tensor holds the values of ``names`` (``LoraAdapter`` state names), in order;
+    requests name them ``name``. They stay until the peer restarts or needs the room."""
+
+    name: str
+    spec: str  # ``peers.training.lora`` spec text
+    start: int
+    end: int
+    names: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +199,10 @@ class TrainOpen(Message):
     # "topk:0.1/int8") or "adaptive" (per link and direction, from the measured link and the compute time)
     compression: str = "none"
     staleness: int = 0  # 1: asynchronous steps: forwards may name the weights before the last step (``at_step``)
+    # a LoRA spec (``peers.training.lora``): the run trains its own adapters here, made from ``adapter_seed``, on the
+    # frozen blocks (allowed by ``--adapters``); "" trains the blocks themselves (allowed by ``--trainers``)
+    adapter: str = ""
+    adapter_seed: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,7 +322,7 @@ INFERENCE_KINDS: dict[str, type[Message]] = {
     "forward": ForwardRequest, "train_open": TrainOpen, "train_forward": TrainForward, "train_backward": TrainBackward,
     "params_push": ParamsPush, "params_fetch": ParamsFetch, "train_apply": TrainApply, "probe": LinkProbe,
     "push": InferencePush, "relink": InferenceRelink, "replay": InferenceReplay, "train_push": TrainPush,
-    "train_fetch": TrainFetch,
+    "train_fetch": TrainFetch, "adapter_load": AdapterLoad,
 }
 
 

@@ -175,11 +175,12 @@ class PeerStream:
         self._writer = asyncio.create_task(self._write(self._out))
         self._reader = asyncio.create_task(self._read(self._frames()))
 
-    async def forward(self, start: int, end: int, hidden: torch.Tensor, timeout: float, *, codec: Codec = NONE
-                      ) -> torch.Tensor:
+    async def forward(self, start: int, end: int, hidden: torch.Tensor, timeout: float, *, codec: Codec = NONE,
+                      adapter: str = "") -> torch.Tensor:
         """Blocks ``[start, end)`` of the peer on ``hidden`` (no session); ``RequestError`` if refused. ``codec``:
-        how ``hidden`` travels, and asks the peer to send its output the same way."""
-        request = ForwardRequest(start=start, end=end, compression="" if codec.exact else str(codec))
+        how ``hidden`` travels, and asks the peer to send its output the same way; ``adapter``: the LoRA to run with
+        (``ForwardRequest.adapter``)."""
+        request = ForwardRequest(start=start, end=end, compression="" if codec.exact else str(codec), adapter=adapter)
         reply, output = await self._request(pack_inference(request), hidden, timeout, codec=codec)
         if reply.error or output is None:
             raise RequestError(f"peer {short_id(self.peer_id)} refused blocks {start}:{end}: "
