@@ -1,0 +1,22 @@
+"""Operator graphs (FusionLLM's OP-DAG): registered architectures traced locally, cut anywhere into stages.
+
+Files:
+    resnet.py    our ResNet with torchvision's module structure and state_dict keys.
+    registry.py  ``ARCHITECTURES``, ``build_model``, ``trace_architecture``: what a peer may build and trace.
+    trace.py     ``OpGraph`` (fx graph module, topological order, edge specs) and ``trace``; ``crossing(cut)``.
+    hashing.py   ``graph_hash``: the structure's digest, compared between the trainer and every peer.
+    stage.py     ``GraphStage``: a contiguous slice of the order as a module, named edges in and out.
+    costs.py     per-node FLOPs and bytes, per-cut bytes: the planner's inputs.
+"""
+
+from .hashing import graph_hash, graph_structure
+from .registry import ARCHITECTURES, Architecture, build_model, get_architecture, trace_architecture
+from .resnet import ResNet, resnet
+from .trace import EdgeSpec, OpGraph, trace
+
+__all__ = [
+    "graph_hash", "graph_structure",
+    "ARCHITECTURES", "Architecture", "build_model", "get_architecture", "trace_architecture",
+    "ResNet", "resnet",
+    "EdgeSpec", "OpGraph", "trace",
+]
