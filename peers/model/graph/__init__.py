@@ -12,11 +12,13 @@ Files:
 from .hashing import graph_hash, graph_structure
 from .registry import ARCHITECTURES, Architecture, build_model, get_architecture, trace_architecture
 from .resnet import ResNet, resnet
+from .stage import GraphStage, shared_parameters, split_graph
 from .trace import EdgeSpec, OpGraph, trace
 
 __all__ = [
     "graph_hash", "graph_structure",
     "ARCHITECTURES", "Architecture", "build_model", "get_architecture", "trace_architecture",
     "ResNet", "resnet",
+    "GraphStage", "shared_parameters", "split_graph",
     "EdgeSpec", "OpGraph", "trace",
 ]

@@ -1,0 +1,118 @@
+"""GraphStage (issue 18): a graph cut into stages run one after another equals the whole model, forward and
+training (5 AdamW steps with per-stage optimizers, BatchNorm running stats included), bit for bit in fp32."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from peers.model.graph import trace_architecture
+from peers.model.graph.stage import GraphStage, shared_parameters, split_graph
+
+
+@pytest.fixture(scope="module")
+def resnet_graph():
+    return trace_architecture("resnet50", {"num_classes": 10}, {"batch": 2, "image_size": 32}, train=True)
+
+
+def _staged_step(stages, x, y):
+    """Forward through the stages with each input a fresh leaf (as on separate peers), the loss, backward in
+    reverse passing every crossing edge's gradient by name; returns (loss, logits)."""
+    acts, saved = {"x": x}, []
+    for stage in stages:
+        ins = {k: v.detach().requires_grad_(v.is_floating_point()) for k, v in acts.items()}
+        acts = stage(ins)
+        saved.append((ins, acts))
+    (name,) = acts
+    logits = acts[name].detach().requires_grad_()
+    loss = F.cross_entropy(logits, y)
+    loss.backward()
+    grads = {name: logits.grad}
+    for ins, outs in reversed(saved):
+        names = [k for k, v in outs.items() if v.requires_grad]
+        torch.autograd.backward([outs[k] for k in names], [grads[k] for k in names])
+        grads = {k: v.grad for k, v in ins.items() if v.grad is not None}
+    return loss, logits
+
+
+def test_resnet50_in_three_stages_trains_like_one_process(resnet_graph):
+    graph = resnet_graph
+    n = len(graph.order)
+    reference = copy.deepcopy(graph.gm).train()
+    stages = split_graph(graph, [n // 3, 2 * n // 3])
+    keys = [set(s.module.state_dict()) for s in stages]
+    assert set().union(*keys) == set(reference.state_dict()) and sum(map(len, keys)) == len(reference.state_dict())
+    assert [s.name for s in stages[1].inputs] == [s.name for s in stages[0].outputs]
+    opt_ref = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    opts = [torch.optim.AdamW(s.parameters(), lr=1e-3) for s in stages]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        x, y = torch.randn(2, 3, 32, 32, generator=gen), torch.randint(0, 10, (2,), generator=gen)
+        logits_ref = reference(x)
+        loss_ref = F.cross_entropy(logits_ref, y)
+        loss_ref.backward()
+        loss, logits = _staged_step(stages, x, y)
+        assert torch.equal(logits, logits_ref) and torch.equal(loss, loss_ref)
+        staged_grads = {k: p.grad for s in stages for k, p in s.module.named_parameters()}
+        assert all(torch.equal(staged_grads[k], p.grad) for k, p in reference.named_parameters())
+        for opt in [opt_ref, *opts]:
+            opt.step()
+            opt.zero_grad()
+    staged = {k: v for s in stages for k, v in s.module.state_dict().items()}
+    assert all(torch.equal(staged[k], v) for k, v in reference.state_dict().items())  # running stats too
+    reference.eval()
+    for s in stages:
+        s.eval()
+    x = torch.randn(2, 3, 32, 32, generator=gen)
+    with torch.no_grad():
+        acts = {"x": x}
+        for s in stages:
+            acts = s(acts)
+        assert torch.equal(acts["fc"], reference(x))
+
+
+def test_a_wrong_edge_is_refused_with_its_name(resnet_graph):
+    stage = GraphStage(resnet_graph, 10, 40)
+    good = {s.name: torch.zeros(s.shape, dtype=s.dtype) for s in stage.inputs}
+    assert set(stage(good)) == {s.name for s in stage.outputs}
+    first = stage.inputs[0]
+    with pytest.raises(ValueError, match=r"takes edges .*missing \['" + first.name):
+        stage({k: v for k, v in good.items() if k != first.name})
+    with pytest.raises(ValueError, match=r"unexpected \['bogus'\]"):
+        stage({**good, "bogus": torch.zeros(1)})
+    with pytest.raises(ValueError, match=f"edge '{first.name}' expects .* got .*float64"):
+        stage({**good, first.name: good[first.name].double()})
+    with pytest.raises(ValueError, match=f"edge '{first.name}' expects"):
+        stage({**good, first.name: good[first.name][:1]})
+    with pytest.raises(ValueError, match="not a non-empty range"):
+        GraphStage(resnet_graph, 5, 5)
+
+
+def test_an_input_written_in_place_is_copied_first(resnet_graph):
+    """A cut just before ``ReLU(inplace=True)``: the received tensor is a leaf that needs a gradient, which an
+    in-place op may not write; the stage writes into a copy and leaves the caller's tensor as it was."""
+    cut = resnet_graph.order.index("relu")
+    stage = GraphStage(resnet_graph, cut, cut + 1)
+    x = torch.randn(stage.inputs[0].shape).requires_grad_()
+    before = x.detach().clone()
+    out = stage({"bn1": x})
+    out[stage.outputs[0].name].sum().backward()
+    assert torch.equal(x.detach(), before) and torch.equal(x.grad != 0, before > 0)
+
+
+def test_gpt2_from_transformers_in_three_stages_equals_the_whole(gpt2_dir):
+    graph = trace_architecture("gpt2", inputs={"batch": 2, "seq_len": 8}, weights=gpt2_dir)
+    cuttable = [c for c in range(1, len(graph.order)) if graph.cuttable(c)]
+    cuts = [cuttable[len(cuttable) // 3], cuttable[2 * len(cuttable) // 3]]
+    stages = split_graph(graph, cuts)
+    ids = torch.randint(0, 259, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        acts = {graph.inputs[0]: ids}
+        for s in stages:
+            acts = s(acts)
+        assert torch.equal(acts[graph.outputs[0]], graph.gm(ids))
+    shared = shared_parameters(graph, cuts)  # the tied lm_head: one tensor under two names, used by two stages
+    assert list(shared.values()) == [[0, 2]] and set(shared) <= {"model.transformer.wte.weight", "model.lm_head.weight"}
