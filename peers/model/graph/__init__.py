@@ -9,6 +9,7 @@ Files:
     costs.py     per-node FLOPs and bytes, per-cut bytes: the planner's inputs.
 """
 
+from .costs import GraphCosts, graph_costs
 from .hashing import graph_hash, graph_structure
 from .registry import ARCHITECTURES, Architecture, build_model, get_architecture, trace_architecture
 from .resnet import ResNet, resnet
@@ -16,6 +17,7 @@ from .stage import GraphStage, shared_parameters, split_graph
 from .trace import EdgeSpec, OpGraph, trace
 
 __all__ = [
+    "GraphCosts", "graph_costs",
     "graph_hash", "graph_structure",
     "ARCHITECTURES", "Architecture", "build_model", "get_architecture", "trace_architecture",
     "ResNet", "resnet",
