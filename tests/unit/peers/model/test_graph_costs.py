@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from peers.model.graph import get_architecture, trace_architecture
+from peers.model.graph import get_architecture
 from peers.model.graph.costs import graph_costs
 from swarm.plan.graph_cut import equal_split, evaluate_cuts, node_seconds_from_work, plan_graph_cut
 
 
-def test_resnet50_costs_and_plan():
+def test_resnet50_costs_and_plan(resnet50_graph):
     inputs = {"batch": 2, "image_size": 32}
-    graph = trace_architecture("resnet50", {"num_classes": 10}, inputs, train=True)
+    graph = resnet50_graph
     stats = graph.gm.bn1.running_mean.clone()
     costs = graph_costs(graph, get_architecture("resnet50").example_inputs(inputs))
     assert torch.equal(graph.gm.bn1.running_mean, stats)  # counting moved no BatchNorm statistics

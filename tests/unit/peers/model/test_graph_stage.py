@@ -14,8 +14,8 @@ from peers.model.graph.stage import GraphStage, shared_parameters, split_graph
 
 
 @pytest.fixture(scope="module")
-def resnet_graph():
-    return trace_architecture("resnet50", {"num_classes": 10}, {"batch": 2, "image_size": 32}, train=True)
+def resnet_graph(resnet50_graph):
+    return resnet50_graph
 
 
 def _staged_step(stages, x, y):
