@@ -13,7 +13,7 @@ from .costs import GraphCosts, graph_costs
 from .hashing import graph_hash, graph_structure
 from .registry import ARCHITECTURES, Architecture, build_model, get_architecture, trace_architecture
 from .resnet import ResNet, resnet
-from .stage import GraphStage, shared_parameters, split_graph
+from .stage import GraphStage, shared_parameters, split_graph, sum_shared_grads
 from .trace import EdgeSpec, OpGraph, trace
 
 __all__ = [
@@ -21,6 +21,6 @@ __all__ = [
     "graph_hash", "graph_structure",
     "ARCHITECTURES", "Architecture", "build_model", "get_architecture", "trace_architecture",
     "ResNet", "resnet",
-    "GraphStage", "shared_parameters", "split_graph",
+    "GraphStage", "shared_parameters", "split_graph", "sum_shared_grads",
     "EdgeSpec", "OpGraph", "trace",
 ]

@@ -116,13 +116,30 @@ def _tensors_used(graph: OpGraph, start: int, end: int) -> dict[int, str]:
     return used
 
 
-def shared_parameters(graph: OpGraph, cuts: list[int]) -> dict[str, list[int]]:
+def shared_parameters(graph: OpGraph, cuts: list[int]) -> list[dict[int, str]]:
     """Parameters/buffers that nodes of more than one stage use (tied weights, e.g. GPT-2's ``wte`` and
-    ``lm_head``), with those stages: each stage holds its own copy, so training such a cut would need their
-    gradients summed across stages (not done yet); inference is exact."""
+    ``lm_head``): for each, the stages using it and the name each holds it under. Each stage holds its own copy, so
+    training keeps them equal by summing their gradients across those stages (``sum_shared_grads``) before each
+    stage's optimizer step; inference needs nothing."""
     bounds = [0, *cuts, len(graph.order)]
-    holders: dict[int, tuple[str, list[int]]] = {}
+    holders: dict[int, dict[int, str]] = {}
     for i, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
         for key, name in _tensors_used(graph, a, b).items():
-            holders.setdefault(key, (name, []))[1].append(i)
-    return {name: idx for name, idx in holders.values() if len(idx) > 1}
+            holders.setdefault(key, {})[i] = name
+    return [names for names in holders.values() if len(names) > 1]
+
+
+def sum_shared_grads(stages: list[GraphStage], shared: list[dict[int, str]]) -> None:
+    """Give every copy of a shared parameter the sum of the copies' gradients, added from the last stage to the
+    first (backward's order: one process adds them in the order its backward reaches the uses). In one process;
+    across peers the stages holding a copy exchange these gradients instead."""
+    for names in shared:
+        grads = [stages[i].module.get_parameter(name).grad for i, name in sorted(names.items(), reverse=True)]
+        present = [g for g in grads if g is not None]
+        if not present:
+            continue
+        total = present[0].clone()
+        for g in present[1:]:
+            total += g
+        for i, name in names.items():
+            stages[i].module.get_parameter(name).grad = total.clone()

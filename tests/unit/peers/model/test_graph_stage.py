@@ -9,8 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from peers.model.graph import trace_architecture
-from peers.model.graph.stage import GraphStage, shared_parameters, split_graph
+from peers.model.graph.stage import GraphStage, shared_parameters, split_graph, sum_shared_grads
 
 
 @pytest.fixture(scope="module")
@@ -18,17 +17,17 @@ def resnet_graph(resnet50_graph):
     return resnet50_graph
 
 
-def _staged_step(stages, x, y):
+def _staged_step(stages, inputs, loss_fn):
     """Forward through the stages with each input a fresh leaf (as on separate peers), the loss, backward in
     reverse passing every crossing edge's gradient by name; returns (loss, logits)."""
-    acts, saved = {"x": x}, []
+    acts, saved = inputs, []
     for stage in stages:
         ins = {k: v.detach().requires_grad_(v.is_floating_point()) for k, v in acts.items()}
         acts = stage(ins)
         saved.append((ins, acts))
     (name,) = acts
     logits = acts[name].detach().requires_grad_()
-    loss = F.cross_entropy(logits, y)
+    loss = loss_fn(logits)
     loss.backward()
     grads = {name: logits.grad}
     for ins, outs in reversed(saved):
@@ -54,7 +53,7 @@ def test_resnet50_in_three_stages_trains_like_one_process(resnet_graph):
         logits_ref = reference(x)
         loss_ref = F.cross_entropy(logits_ref, y)
         loss_ref.backward()
-        loss, logits = _staged_step(stages, x, y)
+        loss, logits = _staged_step(stages, {"x": x}, lambda z, y=y: F.cross_entropy(z, y))
         assert torch.equal(logits, logits_ref) and torch.equal(loss, loss_ref)
         staged_grads = {k: p.grad for s in stages for k, p in s.module.named_parameters()}
         assert all(torch.equal(staged_grads[k], p.grad) for k, p in reference.named_parameters())
@@ -103,16 +102,33 @@ def test_an_input_written_in_place_is_copied_first(resnet_graph):
     assert torch.equal(x.detach(), before) and torch.equal(x.grad != 0, before > 0)
 
 
-def test_gpt2_from_transformers_in_three_stages_equals_the_whole(gpt2_dir):
-    graph = trace_architecture("gpt2", inputs={"batch": 2, "seq_len": 8}, weights=gpt2_dir)
+def test_gpt2_from_transformers_in_three_stages_trains_like_one_process(gpt2_graph):
+    """transformers' GPT-2 traced by export, cut in 3: logits, losses and every gradient equal one process for 5
+    AdamW steps; the tied wte/lm_head (stages 0 and 2) get their two gradients summed before the steps."""
+    graph = gpt2_graph
     cuttable = [c for c in range(1, len(graph.order)) if graph.cuttable(c)]
     cuts = [cuttable[len(cuttable) // 3], cuttable[2 * len(cuttable) // 3]]
+    shared = shared_parameters(graph, cuts)
+    assert len(shared) == 1 and list(shared[0]) == [0, 2] and "model.lm_head.weight" in shared[0].values()
+    reference = copy.deepcopy(graph.gm)
     stages = split_graph(graph, cuts)
-    ids = torch.randint(0, 259, (2, 8), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        acts = {graph.inputs[0]: ids}
-        for s in stages:
-            acts = s(acts)
-        assert torch.equal(acts[graph.outputs[0]], graph.gm(ids))
-    shared = shared_parameters(graph, cuts)  # the tied lm_head: one tensor under two names, used by two stages
-    assert list(shared.values()) == [[0, 2]] and set(shared) <= {"model.transformer.wte.weight", "model.lm_head.weight"}
+    opts = [torch.optim.AdamW(s.parameters(), lr=1e-3) for s in [reference, *stages]]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        ids = torch.randint(0, 259, (2, 8), generator=gen)
+        logits_ref = reference(ids)
+        loss_ref = F.cross_entropy(logits_ref[:, :-1].reshape(-1, 272), ids[:, 1:].reshape(-1))
+        loss_ref.backward()
+        loss, logits = _staged_step(stages, {graph.inputs[0]: ids}, lambda z, ids=ids: F.cross_entropy(
+            z[:, :-1].reshape(-1, 272), ids[:, 1:].reshape(-1)))
+        assert torch.equal(logits, logits_ref) and torch.equal(loss, loss_ref)
+        sum_shared_grads(stages, shared)
+        staged_grads = {k: p.grad for s in stages for k, p in s.module.named_parameters()}
+        every_name = dict(reference.named_parameters(remove_duplicate=False))  # the tied weight under both names
+        assert len(staged_grads) == len(list(reference.parameters()))
+        assert all(torch.equal(g, every_name[k].grad) for k, g in staged_grads.items())
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    (first, last) = (stages[i].module.get_parameter(name) for i, name in shared[0].items())
+    assert torch.equal(first, last)

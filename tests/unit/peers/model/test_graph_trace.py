@@ -19,11 +19,6 @@ ROOT = Path(__file__).resolve().parents[4]
 SMALL = {"batch": 2, "image_size": 32}
 
 
-@pytest.fixture(scope="module")
-def gpt2_graph(gpt2_dir):
-    return trace_architecture("gpt2", inputs={"batch": 2, "seq_len": 8}, weights=gpt2_dir)
-
-
 def test_resnet_has_torchvisions_parameter_counts_and_keys():
     """torchvision's published sizes (1000 classes): the same modules, so its checkpoints load by key."""
     counts = {"resnet18": 11_689_512, "resnet50": 25_557_032}
