@@ -11,7 +11,14 @@ Files:
 
 from .costs import GraphCosts, graph_costs
 from .hashing import graph_hash, graph_structure
-from .registry import ARCHITECTURES, Architecture, build_model, get_architecture, trace_architecture
+from .registry import (
+    ARCHITECTURES,
+    Architecture,
+    build_model,
+    check_graph_hash,
+    get_architecture,
+    trace_architecture,
+)
 from .resnet import ResNet, resnet
 from .stage import GraphStage, shared_parameters, split_graph, sum_shared_grads
 from .trace import EdgeSpec, OpGraph, trace
@@ -19,7 +26,7 @@ from .trace import EdgeSpec, OpGraph, trace
 __all__ = [
     "GraphCosts", "graph_costs",
     "graph_hash", "graph_structure",
-    "ARCHITECTURES", "Architecture", "build_model", "get_architecture", "trace_architecture",
+    "ARCHITECTURES", "Architecture", "build_model", "check_graph_hash", "get_architecture", "trace_architecture",
     "ResNet", "resnet",
     "GraphStage", "shared_parameters", "split_graph", "sum_shared_grads",
     "EdgeSpec", "OpGraph", "trace",

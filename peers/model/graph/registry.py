@@ -5,8 +5,9 @@ graph itself (``trace_architecture``) and compares ``graph_hash`` with the train
 
 - ``resnet18/34/50/101/152`` (vision, fx): config ``{"num_classes": 1000, "zero_init_residual": false}``;
   inputs ``{"batch": B, "image_size": 224}``; weights ``model.safetensors`` with torchvision's key names.
-- ``gpt2`` (causal LM, export): transformers' own ``GPT2LMHeadModel`` code; weights: a Hugging Face folder.
-- ``gpt2-blocks`` (causal LM, export): our block code (``peers.model.gpt2``) on the same folder.
+- ``gpt2``, ``llama`` (causal LM, export): transformers' own code (``GPT2LMHeadModel``; ``LlamaForCausalLM`` and
+  the Qwen2/Mistral folders) on a Hugging Face folder, the weights.
+- ``gpt2-blocks``, ``llama-blocks`` (causal LM, export): our block code (``peers.model``) on the same folders.
 Causal LMs take inputs ``{"batch": B, "seq_len": T}`` and give logits; they are traced in eval mode (dropout off).
 """
 
@@ -23,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from .hashing import graph_hash
 from .resnet import DEPTHS, resnet
 from .trace import OpGraph, trace
 
@@ -87,40 +89,52 @@ class _Logits(nn.Module):
         return self.model(input_ids=input_ids, use_cache=False).logits
 
 
-def _build_hf_gpt2(config: dict[str, Any], weights: Path | None) -> nn.Module:
-    try:
-        from transformers import GPT2LMHeadModel
-    except ImportError as e:
-        raise ValueError("architecture 'gpt2' traces transformers' code: pip install transformers") from e
-    if weights is None:
-        raise ValueError("gpt2 needs a weights folder (a Hugging Face GPT-2 folder; `swarm new-model --family gpt2`)")
-    return _Logits(GPT2LMHeadModel.from_pretrained(str(weights), dtype=torch.float32))
+def _build_hf(arch: str, model_types: tuple[str, ...]) -> Callable[[dict[str, Any], Path | None], nn.Module]:
+    """transformers' own model code for a Hugging Face folder whose ``model_type`` is one of ``model_types``."""
+    def build(config: dict[str, Any], weights: Path | None) -> nn.Module:
+        try:
+            from transformers import AutoConfig, AutoModelForCausalLM
+        except ImportError as e:
+            raise ValueError(f"architecture {arch!r} traces transformers' code: pip install transformers") from e
+        if weights is None:
+            raise ValueError(f"{arch} needs a weights folder (a Hugging Face folder; `swarm new-model`)")
+        model_type = AutoConfig.from_pretrained(str(weights)).model_type
+        if model_type not in model_types:
+            raise ValueError(f"{arch} takes a folder of model_type {' or '.join(model_types)}; {weights} holds "
+                             f"{model_type!r}")
+        return _Logits(AutoModelForCausalLM.from_pretrained(str(weights), dtype=torch.float32))
+    return build
 
 
-class _OurGPT2(nn.Module):
-    """Our GPT-2 block code as ``input_ids -> logits`` (positions 0..T-1, no cache)."""
+class _OurBlocks(nn.Module):
+    """Our block code (``peers.model``) as ``input_ids -> logits`` (positions 0..T-1, no cache)."""
 
-    def __init__(self, weights: Path) -> None:
+    def __init__(self, weights: Path, family: str) -> None:
         super().__init__()
         from ..local import LocalModel
 
         self.model = LocalModel.from_dir(weights)
-        if self.model.config.family != "gpt2":
-            raise ValueError(f"gpt2-blocks needs a GPT-2 folder, {weights} holds a {self.model.config.family} model")
+        self.family = family
+        if self.model.config.family != family:
+            raise ValueError(f"{family}-blocks needs a {family} folder, {weights} holds a "
+                             f"{self.model.config.family} model")
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         emb, t = self.model.embedding, input_ids.shape[1]
         positions = torch.arange(t, device=input_ids.device).expand(input_ids.shape[0], t)
-        hidden = emb.wte(input_ids) + emb.wpe(positions)
+        # GPT-2's embed() checks the positions against its table with a data-dependent branch export cannot trace
+        hidden = emb.wte(input_ids) + emb.wpe(positions) if self.family == "gpt2" else emb.embed(input_ids, positions)
         for block in self.model.blocks:
             hidden = block(hidden, positions)[0]
         return self.model.head.head(hidden)
 
 
-def _build_our_gpt2(config: dict[str, Any], weights: Path | None) -> nn.Module:
-    if weights is None:
-        raise ValueError("gpt2-blocks needs a weights folder (`swarm new-model --family gpt2`)")
-    return _OurGPT2(weights)
+def _build_ours(family: str) -> Callable[[dict[str, Any], Path | None], nn.Module]:
+    def build(config: dict[str, Any], weights: Path | None) -> nn.Module:
+        if weights is None:
+            raise ValueError(f"{family}-blocks needs a weights folder (`swarm new-model --family {family}`)")
+        return _OurBlocks(weights, family)
+    return build
 
 
 _VISION_CONFIG = {"num_classes": 1000, "zero_init_residual": False}
@@ -130,8 +144,11 @@ _LM_INPUTS = {"batch": 1, "seq_len": 16}
 ARCHITECTURES: dict[str, Architecture] = {
     **{name: Architecture(name, "vision", "fx", _VISION_CONFIG, _VISION_INPUTS, _build_resnet(name))
        for name in DEPTHS},
-    "gpt2": Architecture("gpt2", "causal_lm", "export", {}, _LM_INPUTS, _build_hf_gpt2),
-    "gpt2-blocks": Architecture("gpt2-blocks", "causal_lm", "export", {}, _LM_INPUTS, _build_our_gpt2),
+    "gpt2": Architecture("gpt2", "causal_lm", "export", {}, _LM_INPUTS, _build_hf("gpt2", ("gpt2",))),
+    "llama": Architecture("llama", "causal_lm", "export", {}, _LM_INPUTS,
+                          _build_hf("llama", ("llama", "qwen2", "mistral"))),
+    "gpt2-blocks": Architecture("gpt2-blocks", "causal_lm", "export", {}, _LM_INPUTS, _build_ours("gpt2")),
+    "llama-blocks": Architecture("llama-blocks", "causal_lm", "export", {}, _LM_INPUTS, _build_ours("llama")),
 }
 
 
@@ -165,6 +182,15 @@ def trace_architecture(arch: str, config: Mapping[str, Any] | None = None, input
         raise ValueError(f"{arch} is traced in eval mode (its graph fixes dropout off); trace with train=False")
     model = build_model(arch, config, weights, seed=seed).train(train)
     return trace(model, spec.example_inputs(dict(inputs or {})), tracer=spec.tracer, arch=arch)
+
+
+def check_graph_hash(graph: OpGraph, expected: str) -> None:
+    """``ValueError`` unless this peer's trace of a run's graph has the trainer's hash."""
+    mine = graph_hash(graph)
+    if mine != expected:
+        raise ValueError(f"graph hash mismatch for {graph.arch}: the trainer traced {expected[:16]}, this peer "
+                         f"{mine[:16]}; trace the same architecture, config and input shape (and the same torch and "
+                         f"transformers versions)")
 
 
 def describe(graph: OpGraph) -> str:

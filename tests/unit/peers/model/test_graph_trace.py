@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from peers.model import LocalModel
-from peers.model.graph import build_model, graph_hash, trace_architecture
+from peers.model import LocalModel, make_tiny_model
+from peers.model.graph import build_model, check_graph_hash, graph_hash, trace_architecture
 
 ROOT = Path(__file__).resolve().parents[4]
 SMALL = {"batch": 2, "image_size": 32}
@@ -53,7 +53,8 @@ def test_resnet_loads_a_weights_folder_and_refuses_one_that_does_not_fit(tmp_pat
 
 
 def test_unknown_architecture_config_or_input_is_refused():
-    with pytest.raises(ValueError, match="unknown architecture 'vgg16'.*known: gpt2, gpt2-blocks, resnet101"):
+    known = "known: gpt2, gpt2-blocks, llama, llama-blocks, resnet101"
+    with pytest.raises(ValueError, match=f"unknown architecture 'vgg16'.*{known}"):
         trace_architecture("vgg16")
     with pytest.raises(ValueError, match=r"does not take config \['depth'\]"):
         build_model("resnet18", {"depth": 3})
@@ -87,9 +88,11 @@ def test_graph_hash_is_the_same_in_another_process_and_changes_with_the_structur
                          cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert json.loads(out.stdout.strip().splitlines()[-1]) == here
     others = {graph_hash(trace_architecture("resnet18", {"num_classes": 11}, SMALL)),
-              graph_hash(trace_architecture("resnet34", {"num_classes": 10}, SMALL)),
-              graph_hash(trace_architecture("gpt2", inputs={"batch": 2, "seq_len": 9}, weights=gpt2_dir))}
-    assert len(others | set(here)) == 5
+              graph_hash(trace_architecture("resnet34", {"num_classes": 10}, SMALL))}
+    assert len(others | set(here)) == 4
+    check_graph_hash(gpt2_graph, here[1])
+    with pytest.raises(ValueError, match=f"graph hash mismatch for gpt2: the trainer traced {here[0][:16]}, this peer"):
+        check_graph_hash(gpt2_graph, here[0])
 
 
 def test_transformers_gpt2_traced_from_its_own_code_equals_our_block_code(gpt2_dir, gpt2_graph):
@@ -104,3 +107,17 @@ def test_transformers_gpt2_traced_from_its_own_code_equals_our_block_code(gpt2_d
         assert torch.equal(logits, ours.gm(ids))
         assert torch.equal(logits, LocalModel.from_dir(gpt2_dir)(ids)[0])
     assert theirs.values[theirs.outputs[0]] is not None and logits.shape == (2, 8, 272)
+
+
+def test_transformers_llama_traced_from_its_own_code_equals_our_block_code(tmp_path, gpt2_dir):
+    llama_dir = make_tiny_model(tmp_path / "llama", family="llama", num_layers=2, seed=3)
+    inputs = {"batch": 2, "seq_len": 8}
+    theirs = trace_architecture("llama", inputs=inputs, weights=llama_dir)
+    ours = trace_architecture("llama-blocks", inputs=inputs, weights=llama_dir)
+    ids = torch.randint(0, 259, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(theirs.gm(ids), ours.gm(ids))
+    with pytest.raises(ValueError, match="llama takes a folder of model_type llama or qwen2 or mistral; .* 'gpt2'"):
+        build_model("llama", weights=gpt2_dir)
+    with pytest.raises(ValueError, match="gpt2-blocks needs a gpt2 folder"):
+        build_model("gpt2-blocks", weights=llama_dir)
