@@ -6,9 +6,11 @@ Files:
     trace.py     ``OpGraph`` (fx graph module, topological order, edge specs) and ``trace``; ``crossing(cut)``.
     hashing.py   ``graph_hash``: the structure's digest, compared between the trainer and every peer.
     stage.py     ``GraphStage``: a contiguous slice of the order as a module, named edges in and out.
+    autodiff.py  ``train_forward`` / ``train_backward``: a stage's part of remote autodiff, gradients by edge.
     costs.py     per-node FLOPs and bytes, per-cut bytes: the planner's inputs.
 """
 
+from .autodiff import Saved, train_backward, train_forward
 from .costs import GraphCosts, graph_costs
 from .hashing import graph_hash, graph_structure
 from .registry import (
@@ -24,6 +26,7 @@ from .stage import GraphStage, shared_parameters, split_graph, sum_shared_grads
 from .trace import EdgeSpec, OpGraph, trace
 
 __all__ = [
+    "Saved", "train_backward", "train_forward",
     "GraphCosts", "graph_costs",
     "graph_hash", "graph_structure",
     "ARCHITECTURES", "Architecture", "build_model", "check_graph_hash", "get_architecture", "trace_architecture",

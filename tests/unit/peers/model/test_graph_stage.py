@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from peers.model.graph.autodiff import train_backward, train_forward
 from peers.model.graph.stage import GraphStage, shared_parameters, split_graph, sum_shared_grads
 
 
@@ -18,22 +19,19 @@ def resnet_graph(resnet50_graph):
 
 
 def _staged_step(stages, inputs, loss_fn):
-    """Forward through the stages with each input a fresh leaf (as on separate peers), the loss, backward in
-    reverse passing every crossing edge's gradient by name; returns (loss, logits)."""
+    """Forward through the stages as separate peers would (``train_forward``: each input a fresh leaf), the loss,
+    then ``train_backward`` in reverse passing every crossing edge's gradient by name; returns (loss, logits)."""
     acts, saved = inputs, []
     for stage in stages:
-        ins = {k: v.detach().requires_grad_(v.is_floating_point()) for k, v in acts.items()}
-        acts = stage(ins)
-        saved.append((ins, acts))
+        acts, kept = train_forward(stage, acts)
+        saved.append(kept)
     (name,) = acts
-    logits = acts[name].detach().requires_grad_()
+    logits = acts[name].requires_grad_()
     loss = loss_fn(logits)
     loss.backward()
     grads = {name: logits.grad}
-    for ins, outs in reversed(saved):
-        names = [k for k, v in outs.items() if v.requires_grad]
-        torch.autograd.backward([outs[k] for k in names], [grads[k] for k in names])
-        grads = {k: v.grad for k, v in ins.items() if v.grad is not None}
+    for stage, kept in zip(reversed(stages), reversed(saved), strict=True):
+        grads = train_backward(stage, kept, grads)
     return loss, logits
 
 
@@ -88,6 +86,22 @@ def test_a_wrong_edge_is_refused_with_its_name(resnet_graph):
         stage({**good, first.name: good[first.name][:1]})
     with pytest.raises(ValueError, match="not a non-empty range"):
         GraphStage(resnet_graph, 5, 5)
+
+
+def test_a_wrong_gradient_is_refused_before_anything_is_accumulated(resnet_graph):
+    stage = GraphStage(resnet_graph, 10, 40)
+    inputs = {s.name: torch.randn(s.shape) for s in stage.inputs}
+    outputs, saved = train_forward(stage, inputs)
+    good = {k: torch.ones_like(v) for k, v in outputs.items()}
+    name = next(iter(good))
+    bad = [({**good, "bogus": torch.ones(1)}, r"no gradient to take for edges \['bogus'\]"),
+           ({**good, name: good[name][:1]}, f"edge '{name}' expects"),
+           ({**good, name: good[name] * float("nan")}, f"gradient of edge '{name}' holds NaN")]
+    for grads, message in bad:
+        with pytest.raises(ValueError, match=message):
+            train_backward(stage, saved, grads)
+        assert all(p.grad is None for p in stage.parameters())
+    assert set(train_backward(stage, saved, good)) == {s.name for s in stage.inputs}
 
 
 def test_an_input_written_in_place_is_copied_first(resnet_graph):
