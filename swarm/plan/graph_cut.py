@@ -6,7 +6,9 @@ Input, for a graph of ``n`` nodes in a topological order and ``k`` peers in pipe
 - ``cut_bytes[c]`` for ``c`` in ``0..n``: bytes of every tensor crossing a cut before node ``c``, skip connections
   included (``crossing_bytes`` makes it from the edges' producing and last-using positions);
 - ``bandwidths[s]``: bytes/s of the link from peer ``s`` to peer ``s + 1``;
-- ``allowed[c]``: whether a cut before node ``c`` is possible (every value crossing it is a tensor).
+- ``allowed[c]``: whether a cut before node ``c`` is possible (every value crossing it is a tensor);
+- optionally ``node_bytes[i]`` (the parameters and buffers node ``i`` holds) and ``memory[p]``: a stage's nodes'
+  bytes must fit its peer's memory (activations are not counted).
 
 Peer ``s`` runs stage ``s``, a non-empty ``[c_s, c_{s+1})`` with ``c_0 = 0`` and ``c_k = n``. The bottleneck to
 minimise is the slowest of each stage's compute and each inner cut's transfer (``cut_bytes / bandwidth``); the
@@ -106,31 +108,42 @@ def evaluate_cuts(node_seconds: Sequence[Sequence[float]], cut_bytes: Sequence[f
 
 
 def plan_graph_cut(node_seconds: Sequence[Sequence[float]], cut_bytes: Sequence[float],
-                   bandwidths: Sequence[float], allowed: Sequence[bool] | None = None) -> GraphCut:
-    """The cut minimising the slowest stage or inner transfer (exact; the earliest among equals)."""
+                   bandwidths: Sequence[float], allowed: Sequence[bool] | None = None, *,
+                   node_bytes: Sequence[float] | None = None, memory: Sequence[float] | None = None) -> GraphCut:
+    """The cut minimising the slowest stage or inner transfer (exact; the earliest among equals), each stage's
+    ``node_bytes`` within its peer's ``memory`` if both are given (``ValueError`` if no cut fits)."""
     k, n, ok = _check(node_seconds, cut_bytes, bandwidths, allowed)
+    if (node_bytes is None) != (memory is None):
+        raise ValueError("give both node_bytes and memory, or neither")
+    if node_bytes is not None and memory is not None and (len(node_bytes) != n or len(memory) != k):
+        raise ValueError(f"node_bytes needs {n} entries and memory {k}, got {len(node_bytes)} and {len(memory)}")
+    held = None if node_bytes is None else np.concatenate(([0.0], np.cumsum(np.asarray(node_bytes, np.float64))))
     if k == 1:
+        if held is not None and memory is not None and held[n] > memory[0]:
+            raise ValueError(f"the graph's {held[n]:.0f} bytes do not fit the peer's memory of {memory[0]:.0f}")
         return evaluate_cuts(node_seconds, cut_bytes, bandwidths, [])
     prefix = [np.concatenate(([0.0], np.cumsum(np.asarray(row, dtype=np.float64)))) for row in node_seconds]
     inf = np.inf
     valid = np.array(ok, dtype=bool)
     valid[0] = valid[n] = False  # inner cuts only
     best = np.where(valid, prefix[0], inf)  # best[j]: stages 0..s-1 cover [0, j), a cut at j
-    best[0] = inf
+    if held is not None and memory is not None:
+        best = np.where(held <= memory[0], best, inf)
     choice: list[np.ndarray] = []
     upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)  # i < j
     for s in range(1, k):
         bytes_at = np.asarray(cut_bytes, dtype=np.float64) / bandwidths[s - 1]
         start = np.maximum(best, bytes_at)  # reaching cut i, then sending across it
         cost = prefix[s][None, :] - prefix[s][:, None]  # cost[i, j]: stage s on [i, j)
-        total = np.where(upper, np.maximum(start[:, None], cost), inf)
+        fits = upper if held is None or memory is None else upper & (held[None, :] - held[:, None] <= memory[s])
+        total = np.where(fits, np.maximum(start[:, None], cost), inf)
         arg = np.argmin(total, axis=0)
         best = total[arg, np.arange(n + 1)]
         if s < k - 1:
             best = np.where(valid, best, inf)
         choice.append(arg)
     if not np.isfinite(best[n]):
-        raise ValueError(f"no cut of {n} nodes into {k} non-empty stages at the allowed cuts")
+        raise ValueError(f"no cut of {n} nodes into {k} non-empty stages at the allowed cuts fits the peers' memory")
     cuts, j = [], n
     for arg in reversed(choice):
         j = int(arg[j])

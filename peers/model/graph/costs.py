@@ -28,6 +28,7 @@ class GraphCosts:
     bytes_moved: tuple[float, ...]
     cut_bytes: tuple[float, ...]
     allowed: tuple[bool, ...]
+    param_bytes: tuple[float, ...] = ()  # per node: parameters and buffers it holds (a shared one at its first use)
 
 
 def _nbytes(value: Any) -> int:
@@ -70,4 +71,29 @@ def graph_costs(graph: OpGraph, example_inputs: Sequence[torch.Tensor]) -> Graph
         for c in range(position[name] + 1, last + 1):
             cut_bytes[c] += spec.nbytes if spec is not None else 0.0
     allowed = tuple(graph.cuttable(c) for c in range(n + 1))
-    return GraphCosts(tuple(flops), tuple(moved), tuple(cut_bytes), allowed)
+    return GraphCosts(tuple(flops), tuple(moved), tuple(cut_bytes), allowed, _param_bytes(graph))
+
+
+def _param_bytes(graph: OpGraph) -> tuple[float, ...]:
+    nodes = {node.name: node for node in graph.gm.graph.nodes}
+    seen: set[int] = set()
+    held = []
+    for name in graph.order:
+        node, total = nodes[name], 0
+        tensors: list[torch.Tensor] = []
+        if node.op == "call_module":
+            module = graph.gm.get_submodule(str(node.target))
+            tensors += [*module.parameters(), *module.buffers()]
+        for arg in node.all_input_nodes:
+            if arg.op == "get_attr":
+                obj: Any = graph.gm
+                for part in str(arg.target).split("."):
+                    obj = getattr(obj, part)
+                if isinstance(obj, torch.Tensor):
+                    tensors.append(obj)
+        for t in tensors:
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+        held.append(float(total))
+    return tuple(held)

@@ -28,3 +28,14 @@ def test_resnet50_costs_and_plan(resnet50_graph):
     equal = evaluate_cuts(seconds, costs.cut_bytes, [1e9, 1e9], equal_split(n, 3, costs.allowed))
     assert plan.bottleneck < equal.bottleneck
     assert plan.stage_seconds[1] > plan.stage_seconds[0]  # the 3x faster middle peer carries the most
+    total = sum(costs.param_bytes)
+    assert total == sum(t.numel() * t.element_size() for t in graph.gm.state_dict().values())
+    memory = [total / 2, total / 2, total / 2]  # no peer holds more than half of the weights
+    capped = plan_graph_cut(seconds, costs.cut_bytes, [1e9, 1e9], costs.allowed, node_bytes=costs.param_bytes,
+                            memory=memory)
+
+    def most_held(cut):
+        bounds = [0, *cut.cuts, n]
+        return max(sum(costs.param_bytes[a:b]) for a, b in zip(bounds, bounds[1:], strict=False))
+
+    assert most_held(plan) > total / 2 >= most_held(capped) and capped.bottleneck > plan.bottleneck

@@ -1,5 +1,5 @@
 """``plan_graph_cut`` (issue 18, item 2) is optimal: hand-made cases, then brute force over every cut on seeded
-random small graphs (heterogeneous peers, skip edges spanning several cuts, forbidden cuts)."""
+random small graphs (heterogeneous peers, skip edges spanning several cuts, forbidden cuts, memory limits)."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ def test_a_slow_link_moves_the_cut_to_a_thin_edge():
 
 def test_brute_force_agrees_on_random_small_graphs():
     rng = random.Random(18)
-    checked = 0
-    for _ in range(400):
+    checked = limited = 0
+    for _ in range(500):
         n, k = rng.randint(2, 9), rng.randint(1, 4)
         k = min(k, n)
         seconds = [[rng.choice([0.0, rng.random(), rng.random() * 5]) for _ in range(n)] for _ in range(k)]
@@ -42,17 +42,29 @@ def test_brute_force_agrees_on_random_small_graphs():
         cut_bytes = crossing_bytes(n, edges)
         bandwidths = [rng.uniform(10, 500) for _ in range(k - 1)]
         allowed = [rng.random() < 0.8 for _ in range(n + 1)]
-        combos = list(itertools.combinations([c for c in range(1, n) if allowed[c]], k - 1))
+        memory_kw = {}
+        if rng.random() < 0.5:  # parameters per node, memory per peer
+            memory_kw = {"node_bytes": [float(rng.randint(0, 10)) for _ in range(n)],
+                         "memory": [float(rng.randint(5, 40)) for _ in range(k)]}
+        combos = [c for c in itertools.combinations([c for c in range(1, n) if allowed[c]], k - 1)
+                  if not memory_kw or fits(c, n, **memory_kw)]
         if not combos:
-            with pytest.raises(ValueError, match="cannot cut|no cut"):
-                plan_graph_cut(seconds, cut_bytes, bandwidths, allowed)
+            with pytest.raises(ValueError, match="cannot cut|no cut|do not fit"):
+                plan_graph_cut(seconds, cut_bytes, bandwidths, allowed, **memory_kw)
             continue
         best = min(evaluate_cuts(seconds, cut_bytes, bandwidths, c).bottleneck for c in combos)
-        got = plan_graph_cut(seconds, cut_bytes, bandwidths, allowed)
+        got = plan_graph_cut(seconds, cut_bytes, bandwidths, allowed, **memory_kw)
         assert got.bottleneck == best and all(allowed[c] for c in got.cuts) and len(got.cuts) == k - 1
         assert got == evaluate_cuts(seconds, cut_bytes, bandwidths, got.cuts)
+        assert not memory_kw or fits(got.cuts, n, **memory_kw)
         checked += 1
-    assert checked > 300
+        limited += bool(memory_kw)
+    assert checked > 300 and limited > 100
+
+
+def fits(cuts, n, node_bytes, memory) -> bool:
+    bounds = [0, *cuts, n]
+    return all(sum(node_bytes[a:b]) <= memory[s] for s, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)))
 
 
 def test_bad_input_is_refused():
@@ -64,6 +76,10 @@ def test_bad_input_is_refused():
         plan_graph_cut([[1.0, 1.0]] * 3, [0.0] * 3, [1.0, 1.0])
     with pytest.raises(ValueError, match="must be positive"):
         node_seconds_from_work([1.0], [1.0], [(0.0, 1.0)])
+    with pytest.raises(ValueError, match="give both node_bytes and memory"):
+        plan_graph_cut([[1.0, 1.0]], [0.0] * 3, [], node_bytes=[1.0, 1.0])
+    with pytest.raises(ValueError, match="do not fit the peer's memory"):
+        plan_graph_cut([[1.0, 1.0]], [0.0] * 3, [], node_bytes=[1.0, 1.0], memory=[1.5])
     with pytest.raises(ValueError, match="strictly increasing"):
         evaluate_cuts([[1.0] * 4] * 3, [0.0] * 5, [1.0, 1.0], [2, 2])
 
