@@ -39,10 +39,6 @@ class GraphCut:
     def bottleneck(self) -> float:
         return max(self.stage_seconds + self.transfer_seconds)
 
-    def stages(self, n: int) -> list[tuple[int, int]]:
-        bounds = [0, *self.cuts, n]
-        return list(zip(bounds, bounds[1:], strict=False))
-
 
 def crossing_bytes(n: int, edges: Sequence[tuple[int, int, float]]) -> list[float]:
     """Bytes crossing each cut ``0..n`` for edges ``(produced_at, last_used_at, nbytes)``: an edge crosses the

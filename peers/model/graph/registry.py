@@ -13,7 +13,6 @@ Causal LMs take inputs ``{"batch": B, "seq_len": T}`` and give logits; they are 
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -191,10 +190,3 @@ def check_graph_hash(graph: OpGraph, expected: str) -> None:
         raise ValueError(f"graph hash mismatch for {graph.arch}: the trainer traced {expected[:16]}, this peer "
                          f"{mine[:16]}; trace the same architecture, config and input shape (and the same torch and "
                          f"transformers versions)")
-
-
-def describe(graph: OpGraph) -> str:
-    """One JSON line: arch, tracer, node count, inputs and outputs with shapes."""
-    return json.dumps({"arch": graph.arch, "tracer": graph.tracer, "nodes": len(graph.order),
-                       "inputs": {s.name: list(s.shape) for s in graph.specs(graph.inputs)},
-                       "outputs": {s.name: list(s.shape) for s in graph.specs(graph.outputs)}})

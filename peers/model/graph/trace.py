@@ -79,12 +79,6 @@ class OpGraph:
             if users:
                 self.last_use[name] = max(users)
 
-    def node(self, name: str) -> fx.Node:
-        for node in self.gm.graph.nodes:
-            if node.name == name:
-                return node
-        raise KeyError(name)
-
     def crossing(self, cut: int) -> tuple[str, ...]:
         """Edges crossing a cut before position ``cut``, in producing order."""
         if not 0 <= cut <= len(self.order):
