@@ -5,7 +5,7 @@ on the decoded tensor)."""
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -75,6 +75,7 @@ async def read_tensor_messages(
 async def read_coded_messages(
     stream: AsyncIterator[Any], max_bytes: int, first: Any | None = None,
     unseal: Callable[[bytes, bytes], bytes] | None = None, *, max_decoded_bytes: int | None = None,
+    dtypes: Mapping[str, torch.dtype] = WIRE_DTYPES,
 ) -> tuple[bytes, torch.Tensor, torch.Tensor | None]:
     """Collect one tensor (the first message's metadata, the dense tensor, and for a top-k message its sorted flat
     indices, else None) from a stream of chunked messages, in any codec.
@@ -84,7 +85,8 @@ async def read_coded_messages(
     ends early, the chunks are malformed or exceed ``max_bytes`` on the wire (or declare more chunks than
     ``max_bytes`` allows: a tensor is kept as its chunks' buffers only, never more of them), if the decoded tensor
     would exceed ``max_decoded_bytes`` (default ``max_bytes``: a codec saves bandwidth, it never raises what a peer
-    takes), or its codec's data is malformed; ``unseal``'s error if it refuses.
+    takes), or its codec's data is malformed; ``unseal``'s error if it refuses. ``dtypes``: the uncompressed dtypes
+    accepted (a graph's edges may also carry int64 and bool, ``peers.wire.edges``).
     """
     if first is None:
         try:
@@ -118,7 +120,7 @@ async def read_coded_messages(
     if unseal is not None:
         serialized.buffer = unseal(serialized.buffer, first.metadata)
     if serialized.compression != CODED:
-        return first.metadata, decode_tensor(serialized), None
+        return first.metadata, decode_tensor(serialized, dtypes), None
     try:
         decoded = decode(serialized, max_bytes=max_bytes if max_decoded_bytes is None else max_decoded_bytes)
     except ValueError as e:
@@ -126,11 +128,11 @@ async def read_coded_messages(
     return first.metadata, decoded.tensor, decoded.indices
 
 
-def decode_tensor(serialized: runtime_pb2.Tensor) -> torch.Tensor:
-    """An uncompressed (``none``) tensor of a wire dtype whose buffer matches its shape (checked before anything is
-    allocated; never requiring grad), else ``RequestError``."""
-    if serialized.dtype not in WIRE_DTYPES:
-        raise RequestError(f"dtype {serialized.dtype[:32]!r} is not accepted; send one of {sorted(WIRE_DTYPES)}")
+def decode_tensor(serialized: runtime_pb2.Tensor, dtypes: Mapping[str, torch.dtype] = WIRE_DTYPES) -> torch.Tensor:
+    """An uncompressed (``none``) tensor of a wire dtype (one of ``dtypes``) whose buffer matches its shape (checked
+    before anything is allocated; never requiring grad), else ``RequestError``."""
+    if serialized.dtype not in dtypes:
+        raise RequestError(f"dtype {serialized.dtype[:32]!r} is not accepted; send one of {sorted(dtypes)}")
     if serialized.compression != runtime_pb2.CompressionType.NONE:
         raise RequestError(f"malformed tensor: compression type {serialized.compression} is not accepted; "
                            f"send uncompressed (NONE) or coded tensors")
@@ -138,7 +140,7 @@ def decode_tensor(serialized: runtime_pb2.Tensor) -> torch.Tensor:
         raise RequestError(f"malformed tensor: {len(serialized.size)} dimensions, at most {MAX_DIMS} accepted")
     numel = math.prod(serialized.size)
     legacy = {numel * 4} if serialized.dtype == "bfloat16" else set()  # hivemind's legacy bfloat16 mode sends fp32
-    sizes = {numel * WIRE_DTYPES[serialized.dtype].itemsize, *legacy}
+    sizes = {numel * dtypes[serialized.dtype].itemsize, *legacy}
     if len(serialized.buffer) not in sizes:
         shape = tuple(serialized.size)
         raise RequestError(f"tensor of shape {shape} does not match its {len(serialized.buffer)} bytes")

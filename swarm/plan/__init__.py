@@ -17,6 +17,7 @@ Sharing and trusting plans (the broker's side):
 - ``trust``: ``swarm_broker`` (a private swarm's election), ``pick_plan`` (which plan a peer may follow).
 - ``broker``: ``plan_for`` / ``next_plan``, a snapshot to the plan to publish (hysteresis, version + 1).
 - ``route``: ``price_groups`` / ``plan_route``, the live group the estimator prices fastest for a client.
+- ``graph_cut``: ``plan_graph_cut``, the exact cut of an operator graph's topological order over a chain of peers.
 """
 
 from swarm.plan.costs import CostModel
