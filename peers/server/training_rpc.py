@@ -29,6 +29,7 @@ from peers.model.blocks import StageBlocks
 from peers.server.averaging import ReplicaAverager, StreamFor, round_at
 from peers.server.training_chain import MAX_SCALE, TrainChain
 from peers.training import GradientError, OptimConfig, StageTrainer
+from peers.training.prompts import PromptStageTrainer, prompt_kind_matches, prompt_run_refusal
 from peers.training.state import read_state_info, stage_checkpoint_path
 from peers.wire.errors import MovedError, RequestError
 from peers.wire.messages import (
@@ -127,11 +128,16 @@ class TrainingRPC:
         if request.average_every and request.replicas and self.stream_for is None:
             raise RequestError("this peer cannot reach other peers to average with its replicas")
         self.chain.check_open(request)
+        if refusal := prompt_run_refusal(prompts=request.prompts, deep=request.deep_prompts,
+                                         staleness=request.staleness, average_every=request.average_every,
+                                         chained=bool(request.upstream or request.downstream)):
+            raise RequestError(refusal)
         try:
             optim = OptimConfig.from_dict(request.optim)
         except (TypeError, ValueError) as e:
             raise RequestError(f"bad optimizer config: {e}") from None
-        if self.trainer is None or self.run_id != request.run_id:
+        if self.trainer is None or self.run_id != request.run_id or not prompt_kind_matches(
+                self.trainer, request.prompts, request.deep_prompts):
             await self._compute(self._switch, request, optim)  # disk I/O off the event loop (heartbeats go on)
         else:
             self.trainer.reset_accumulation()  # a re-opened run starts its step afresh
@@ -140,7 +146,9 @@ class TrainingRPC:
         self.trainer.staleness = request.staleness
         caught_up = False
         others = [p for p in request.replicas if p != self.info.peer_id]
-        if request.run_step > self.trainer.step and others:
+        if request.prompts:  # frozen blocks: nothing to catch up from replicas; the step count follows the run's
+            self.trainer.part.step_count = max(self.trainer.step, request.run_step)
+        elif request.run_step > self.trainer.step and others:
             # a replica joining (or rejoining) a run under way takes the parameters of a replica ahead of it and
             # counts from the run's step, so its lr schedule and averaging rounds match the others'. If none ahead
             # answers, it keeps its own weights and the next averaging round brings them in line. A lone stage
@@ -159,6 +167,12 @@ class TrainingRPC:
     def _switch(self, request: TrainOpen, optim: OptimConfig) -> None:
         """Save the run we leave, then start ``request.run_id`` from our checkpoint of it if we have one."""
         self.save_unsaved(f"before switching to run {request.run_id!r}")
+        if request.prompts:  # prompt tuning: frozen blocks, nothing of ours to resume (``peers.training.prompts``)
+            self.trainer = PromptStageTrainer(self.blocks, optim, request.accumulation, prompts=request.prompts,
+                                              deep=request.deep_prompts, keep_activations=request.keep_activations,
+                                              max_pending=MAX_PENDING, auto_step=not request.explicit_apply)
+            self.run_id = request.run_id
+            return
         self.trainer = StageTrainer(self.blocks, optim, request.accumulation, keep_activations=request.keep_activations,
                                     max_pending=MAX_PENDING, auto_step=not request.explicit_apply)
         self.run_id = request.run_id
@@ -223,6 +237,10 @@ class TrainingRPC:
 
     async def forward(self, request: TrainForward, hidden: torch.Tensor, stream: object) -> torch.Tensor:
         trainer = self._trainer(request.run_id, stream)
+        if isinstance(trainer, PromptStageTrainer):  # deep prompts come packed after the hidden states
+            return await self._compute(trainer.forward_packed, request.micro_id, hidden, request.prompt_shape)
+        if request.prompt_shape:
+            raise RequestError(f"run {self.run_id!r} has no prompts: a forward carries no deep prompts")
         positions = _positions(hidden)
         return await self._compute(trainer.forward, request.micro_id, hidden, positions, at_step=request.at_step)
 
@@ -359,8 +377,8 @@ class TrainingRPC:
     def save_unsaved(self, why: str = "before leaving") -> Path | None:
         """Checkpoint the run's last applied step unless it is saved already: before the peer leaves, or before it
         switches to another run, so no step it trained is lost (a partial step's gradients are not kept)."""
-        if self.trainer is None or self.trainer.step == 0:
-            return None
+        if self.trainer is None or self.trainer.step == 0 or isinstance(self.trainer, PromptStageTrainer):
+            return None  # (a prompt run's stage changes nothing of ours)
         path = self._checkpoint_path()
         if path is None:
             logger.warning("Run %r: %d trained step(s) of blocks %d:%d are not saved (no --checkpoint_dir); they "

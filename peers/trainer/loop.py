@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from peers.model.local import default_position_ids
+from peers.trainer.prompt_batch import prompted_logits
 from peers.trainer.swarm_trainer import StepResult, SwarmTrainer
 from peers.training import TokenBatches, loss_of
 
@@ -36,6 +37,9 @@ def pipeline_logits(trainer: SwarmTrainer, input_ids: torch.Tensor) -> torch.Ten
     if not stages or not all(hasattr(s, "peer_id") and hasattr(s, "start") for s in stages):
         return trainer.client.forward(input_ids)
     client = trainer.client
+    if getattr(trainer, "prompts", None) is not None:  # a prompt run: with its prompts (``peers.trainer.prompt_batch``)
+        with torch.no_grad():
+            return client.loop.run(prompted_logits(trainer, input_ids))
 
     async def through_stages() -> torch.Tensor:
         hidden = client.embedding.embed(input_ids, default_position_ids(input_ids)).detach().to("cpu", client.dtype)

@@ -23,6 +23,7 @@ from peers.model.local import default_position_ids
 
 from .config import OptimConfig
 from .part import PartOptimizer, unique_parameters
+from .prompts import Prompts, prompt_parameters, run_blocks, token_positions
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,8 @@ class LocalTrainer:
 
     def __init__(self, model_dir: str | Path, optim: OptimConfig, accumulation: int, *,
                  stages: Sequence[tuple[int, int]] | None = None, device: str | torch.device = "cpu",
-                 dtype: torch.dtype | None = torch.float32, staleness: int = 0) -> None:
+                 dtype: torch.dtype | None = torch.float32, staleness: int = 0, prompts: int = 0,
+                 deep_prompts: bool = False, seed: int = 0) -> None:
         if accumulation < 1:
             raise ValueError(f"accumulation must be >= 1, got {accumulation}")
         if staleness not in (0, 1):
@@ -69,6 +71,17 @@ class LocalTrainer:
             module.requires_grad_(True).train()
         self.blocks = [load_blocks(model_dir, a, b, device=device, dtype=dtype).requires_grad_(True).train()
                        for a, b in ranges]
+        self.prompts: Prompts | None = None
+        if prompts:  # prompt tuning: the model stays frozen, only the prompts train (one part, as on the trainer)
+            if staleness:
+                raise ValueError("prompt tuning has synchronous steps only (staleness 0)")
+            self.prompts = Prompts.for_embedding(self.embedding, prompts, self.config.num_layers, deep=deep_prompts,
+                                                 seed=seed)
+            for module in (self.embedding, self.head, *self.blocks):
+                module.requires_grad_(False)
+            self.client = PartOptimizer(prompt_parameters(self.prompts), optim)
+            self.stage_parts = []
+            return
         self.client = PartOptimizer(unique_parameters(self.embedding, self.head), optim)
         self.stage_parts = [PartOptimizer(b.parameters(), optim) for b in self.blocks]
 
@@ -79,11 +92,22 @@ class LocalTrainer:
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, T, vocab]`` for ``input_ids [B, T]`` (with grad when grad mode is on)."""
+        if self.prompts is not None:
+            return self._prompted_logits(input_ids, self.prompts)
         positions = default_position_ids(input_ids)
         hidden = self.embedding.embed(input_ids, positions)
         for blocks in self.blocks:
             hidden, _ = blocks(hidden, positions)
         return self.head.head(hidden)
+
+    def _prompted_logits(self, input_ids: torch.Tensor, prompts: Prompts) -> torch.Tensor:
+        """The prompts, then the tokens, through the blocks (deep prompts added before each); the tokens' logits."""
+        hidden = prompts.prepend(self.embedding.embed(input_ids, token_positions(input_ids, prompts.count)))
+        positions = default_position_ids(hidden[..., 0])
+        for blocks in self.blocks:
+            deep = None if prompts.deep is None else prompts.deep[blocks.start:blocks.end]
+            hidden = run_blocks(blocks, hidden, positions, deep)
+        return self.head.head(hidden[:, prompts.count:])
 
     def train_step(self, micro_batches: Sequence[torch.Tensor]) -> float:
         """One optimizer step over ``accumulation`` micro-batches ``[b, T + 1]``; returns their mean loss."""

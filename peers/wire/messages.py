@@ -182,6 +182,10 @@ class TrainOpen(Message):
     # "topk:0.1/int8") or "adaptive" (per link and direction, from the measured link and the compute time)
     compression: str = "none"
     staleness: int = 0  # 1: asynchronous steps: forwards may name the weights before the last step (``at_step``)
+    # prompt tuning (``peers.training.prompts``): the blocks stay frozen (no step changes them); with ``deep_prompts``
+    # each forward carries the stage's deep prompts (``TrainForward.prompt_shape``), each backward returns their grad
+    prompts: int = 0
+    deep_prompts: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +231,9 @@ class TrainForward(Message):
     # compression: the codec of the output this request returns to the trainer ("" = the run's setting decides); the
     # trainer sets it under "adaptive", from its own measured link to this peer (the stage has no measure of it)
     reply_codec: str = ""
+    # deep prompts: their shape [blocks, prompts, hidden]; they travel packed after the hidden states' rows
+    # (``peers.training.prompts.pack``), and the backward's reply packs their grad after the input's the same way
+    prompt_shape: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
