@@ -4,14 +4,19 @@ wrong shape are refused with the peer serving on."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from peers.client.swarm_client import SwarmClient
 from peers.core.config import ClientConfig
+from peers.trainer.state import trainer_checkpoint_path
 from peers.trainer.swarm_trainer import SwarmTrainer
 from peers.training import LocalTrainer, OptimConfig, TokenBatches, encode_bytes
 from peers.training.prompts import pack
+from peers.training.state import read_state_info
 from peers.wire.errors import RequestError
 from peers.wire.messages import ParamsFetch, TrainForward, TrainOpen
 
@@ -29,6 +34,33 @@ def _served(client: SwarmClient, procs) -> list[torch.Tensor]:
         _, flat = client.loop.run(stream.call(ParamsFetch(start=proc.blocks[0], end=proc.blocks[1]), None, 10))
         flats.append(flat)
     return flats
+
+
+def test_swarm_train_tunes_prompts_and_resumes_them(train_stages, llama_dir, tmp_path, swarm_cli):
+    """``swarm train`` with ``prompts`` in the config (star by default), its checkpoint holds the prompts, and the
+    same command resumes them. (First in the module: the in-process trainer below has the same identity.)"""
+    swarm, _ = train_stages
+    config = tmp_path / "prompted.toml"
+    config.write_text(f'model_dir = {json.dumps(str(llama_dir))}\nseq_len = 16\nbatch_size = 4\nmicro_batch = 2\n'
+                      f'steps = 2\nprompts = {PROMPTS}\ndeep_prompts = true\n'
+                      f'checkpoint_dir = {json.dumps(str(tmp_path / "ckpt"))}\ncheckpoint_every = 1\n'
+                      '[optim]\nlr = 1e-2\nschedule = "constant"\n')
+
+    def train(*extra: str) -> dict:
+        done = swarm_cli("train", str(config), "--initial_peers", *swarm.initial_peers, *swarm.trainer_flags(),
+                       "--eval_windows", "4", *extra)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("summary "))[8:])
+
+    first = train()
+    assert first["topology"] == "star" and first["steps_done"] == 2 and first["stage_steps"] == [2, 2, 2]
+    saved = trainer_checkpoint_path(tmp_path / "ckpt", "prompted")
+    assert read_state_info(saved)["prompts"] == PROMPTS
+    assert {k: list(v.shape) for k, v in load_file(str(saved / "weights.safetensors")).items()} == \
+        {"input": [PROMPTS, 64], "deep": [8, PROMPTS, 64]}
+    again = train("--steps", "3")
+    assert again["resumed"] and again["start_step"] == 2 and again["steps_done"] == 3
+    assert again["held_out_before"] == pytest.approx(first["held_out_after"], abs=1e-6)  # the prompts came back
 
 
 @pytest.fixture(scope="module")
