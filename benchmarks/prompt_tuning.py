@@ -7,8 +7,10 @@ The workload of Petals' prompt-tuning step: a batch of 4 sequences of 64 tokens 
 micro-batch per optimizer step (AdamW on the prompts only; the model is frozen). Every variant trains the same prompts
 from the same seed on the same micro-batches:
 
-* one process: ``LocalTrainer(prompts=16)`` with the same 3-stage split, torch's default thread count; run first and
-  again last, its steps/s is the mean of the two (a guard against drift on a shared machine);
+* one process: ``LocalTrainer(prompts=16)`` with the same 3-stage split, with torch's default thread count and with 1
+  thread; each run first and again last, its steps/s is the mean of the two (a guard against drift on a shared
+  machine). On a busy machine a many-threaded torch process slows down many-fold when another process takes a core,
+  so the 1-thread run is the steadier reference there;
 * the swarm: ``SwarmTrainer(prompts=16, topology="star")`` (prompt tuning runs in the star topology), the trainer in
   this process (1 torch thread) and 3 peer processes on 127.0.0.1 (1 torch thread each), encrypted streams.
 
@@ -101,7 +103,14 @@ def main() -> None:
     spans = stage_spans(model["num_layers"], 3)
     tokens = encode_bytes(read_corpus())
     default_threads = torch.get_num_threads()
-    first = {v: local_run(model_dir, tokens, spans, steps, v == "deep") for v in variants}
+    def local_runs() -> dict[str, dict]:
+        runs = {v: local_run(model_dir, tokens, spans, steps, v == "deep") for v in variants}
+        torch.set_num_threads(1)
+        runs.update({f"{v}/1": local_run(model_dir, tokens, spans, steps, v == "deep") for v in variants})
+        torch.set_num_threads(default_threads)
+        return runs
+
+    first = local_runs()
     swarm_runs = {}
     with LocalSwarm(workdir, update_period=10.0, train=True) as swarm:
         start_stage_peers(swarm, model_dir, spans, workdir / "checkpoints")
@@ -109,15 +118,20 @@ def main() -> None:
         for i, v in enumerate(variants):
             swarm_runs[v] = swarm_run(swarm, model_dir, tokens, steps, v == "deep", f"prompts-bench-{i}")
         torch.set_num_threads(default_threads)
-    last = {v: local_run(model_dir, tokens, spans, steps, v == "deep") for v in variants}
+    last = local_runs()
     out = {}
     for v in variants:
         local_rate = statistics.fmean([first[v]["steps_per_s"], last[v]["steps_per_s"]])
+        single_rate = statistics.fmean([first[f"{v}/1"]["steps_per_s"], last[f"{v}/1"]["steps_per_s"]])
         out[v] = {
             "one_process_steps_per_s": round(local_rate, 3),
             "one_process_steps_per_s_first_last": [first[v]["steps_per_s"], last[v]["steps_per_s"]],
+            "one_process_1_thread_steps_per_s": round(single_rate, 3),
+            "one_process_1_thread_steps_per_s_first_last": [first[f"{v}/1"]["steps_per_s"],
+                                                            last[f"{v}/1"]["steps_per_s"]],
             "swarm_steps_per_s": swarm_runs[v]["steps_per_s"],
             "swarm_over_one_process": round(swarm_runs[v]["steps_per_s"] / local_rate, 3),
+            "swarm_over_one_process_1_thread": round(swarm_runs[v]["steps_per_s"] / single_rate, 3),
             "losses_equal_one_process_bit_for_bit": swarm_runs[v]["step_losses"] == first[v]["step_losses"],
             "loss_first_last": [first[v]["step_losses"][0], first[v]["step_losses"][-1]],
             "swarm": swarm_runs[v],
@@ -136,7 +150,7 @@ def main() -> None:
         "variants": out,
     }
     warnings = [f"{v}: the two one-process runs differ ({first[v]['steps_per_s']} vs {last[v]['steps_per_s']} "
-                "steps/s): the machine was busy; rerun on a quiet machine" for v in variants
+                "steps/s): the machine was busy; rerun on a quiet machine" for v in first
                 if abs(first[v]["steps_per_s"] - last[v]["steps_per_s"]) > 0.2 * max(first[v]["steps_per_s"],
                                                                                    last[v]["steps_per_s"])]
     if warnings:
