@@ -27,9 +27,10 @@ from peers.core.finite import all_finite
 from peers.core.trainers import TrainerPolicy
 from peers.model.blocks import StageBlocks
 from peers.server.averaging import ReplicaAverager, StreamFor, round_at
+from peers.server.prompt_runs import PromptRuns
 from peers.server.training_chain import MAX_SCALE, TrainChain
 from peers.training import GradientError, OptimConfig, StageTrainer
-from peers.training.prompts import PromptStageTrainer, prompt_kind_matches, prompt_run_refusal
+from peers.training.prompts import PromptStageTrainer
 from peers.training.state import read_state_info, stage_checkpoint_path
 from peers.wire.errors import MovedError, RequestError
 from peers.wire.messages import (
@@ -95,6 +96,7 @@ class TrainingRPC:
         # pushes from/to the adjacent stages; ``links``: our measured links (adaptive compression)
         self.chain = TrainChain(self, stream_for, timeout=chain_timeout, links=links)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-train")
+        self.prompt_runs = PromptRuns(blocks, max_pending=MAX_PENDING)  # frozen runs, side by side with ours
 
     @property
     def step(self) -> int:
@@ -118,6 +120,8 @@ class TrainingRPC:
                 raise MovedError(self.moved)
             raise RequestError(f"training uses a peer's whole span: this peer serves {self.info.start}:"
                                f"{self.info.end}, not {request.start}:{request.end}")
+        if request.prompts:  # prompt tuning: a frozen run beside the others (``peers.server.prompt_runs``)
+            return self.prompt_runs.open(request, stream)
         if self.owner is not None and self.owner is not stream and self.run_id != request.run_id:
             raise RequestError(f"this peer is training run {self.run_id!r} for another trainer; pick another peer")
         if not 1 <= request.accumulation <= 1 << 16 or min(request.checkpoint_every, request.run_step,
@@ -128,16 +132,11 @@ class TrainingRPC:
         if request.average_every and request.replicas and self.stream_for is None:
             raise RequestError("this peer cannot reach other peers to average with its replicas")
         self.chain.check_open(request)
-        if refusal := prompt_run_refusal(prompts=request.prompts, deep=request.deep_prompts,
-                                         staleness=request.staleness, average_every=request.average_every,
-                                         chained=bool(request.upstream or request.downstream)):
-            raise RequestError(refusal)
         try:
             optim = OptimConfig.from_dict(request.optim)
         except (TypeError, ValueError) as e:
             raise RequestError(f"bad optimizer config: {e}") from None
-        if self.trainer is None or self.run_id != request.run_id or not prompt_kind_matches(
-                self.trainer, request.prompts, request.deep_prompts):
+        if self.trainer is None or self.run_id != request.run_id:
             await self._compute(self._switch, request, optim)  # disk I/O off the event loop (heartbeats go on)
         else:
             self.trainer.reset_accumulation()  # a re-opened run starts its step afresh
@@ -146,9 +145,7 @@ class TrainingRPC:
         self.trainer.staleness = request.staleness
         caught_up = False
         others = [p for p in request.replicas if p != self.info.peer_id]
-        if request.prompts:  # frozen blocks: nothing to catch up from replicas; the step count follows the run's
-            self.trainer.part.step_count = max(self.trainer.step, request.run_step)
-        elif request.run_step > self.trainer.step and others:
+        if request.run_step > self.trainer.step and others:
             # a replica joining (or rejoining) a run under way takes the parameters of a replica ahead of it and
             # counts from the run's step, so its lr schedule and averaging rounds match the others'. If none ahead
             # answers, it keeps its own weights and the next averaging round brings them in line. A lone stage
@@ -167,12 +164,6 @@ class TrainingRPC:
     def _switch(self, request: TrainOpen, optim: OptimConfig) -> None:
         """Save the run we leave, then start ``request.run_id`` from our checkpoint of it if we have one."""
         self.save_unsaved(f"before switching to run {request.run_id!r}")
-        if request.prompts:  # prompt tuning: frozen blocks, nothing of ours to resume (``peers.training.prompts``)
-            self.trainer = PromptStageTrainer(self.blocks, optim, request.accumulation, prompts=request.prompts,
-                                              deep=request.deep_prompts, keep_activations=request.keep_activations,
-                                              max_pending=MAX_PENDING, auto_step=not request.explicit_apply)
-            self.run_id = request.run_id
-            return
         self.trainer = StageTrainer(self.blocks, optim, request.accumulation, keep_activations=request.keep_activations,
                                     max_pending=MAX_PENDING, auto_step=not request.explicit_apply)
         self.run_id = request.run_id
@@ -237,10 +228,10 @@ class TrainingRPC:
 
     async def forward(self, request: TrainForward, hidden: torch.Tensor, stream: object) -> torch.Tensor:
         trainer = self._trainer(request.run_id, stream)
-        if isinstance(trainer, PromptStageTrainer):  # deep prompts come packed after the hidden states
+        if isinstance(trainer, PromptStageTrainer):  # its deep prompts come packed after the hidden states
             return await self._compute(trainer.forward_packed, request.micro_id, hidden, request.prompt_shape)
         if request.prompt_shape:
-            raise RequestError(f"run {self.run_id!r} has no prompts: a forward carries no deep prompts")
+            raise RequestError(f"run {request.run_id[:64]!r} has no prompts: a forward carries no deep prompts")
         positions = _positions(hidden)
         return await self._compute(trainer.forward, request.micro_id, hidden, positions, at_step=request.at_step)
 
@@ -264,7 +255,7 @@ class TrainingRPC:
         except GradientError as e:
             logger.info("Run %r: dropped micro-batch %r: %s", self.run_id, request.micro_id, e)
             raise
-        if trainer.step != before:
+        if trainer.step != before and not isinstance(trainer, PromptStageTrainer):
             await self._after_step(trainer)
         return grad_input / request.scale if request.scale != 1 else grad_input
 
@@ -277,7 +268,7 @@ class TrainingRPC:
         except GradientError as e:
             logger.warning("Run %r: step not applied: %s", self.run_id, e)
             raise
-        if trainer.step != before:
+        if trainer.step != before and not isinstance(trainer, PromptStageTrainer):
             self.chain.applied(trainer.pending_ids())
             await self._after_step(trainer)
         return trainer.step
@@ -342,6 +333,7 @@ class TrainingRPC:
         self.chain.reset(refusal)  # chained waits of the run fail now
         await self._compute(self.save_unsaved, "before moving to another span")
         self.trainer, self.owner, self.averager = None, None, None
+        self.prompt_runs.clear()
         self.shutdown()
 
     def _params(self, start: int | None, end: int | None) -> list[torch.nn.Parameter]:
@@ -363,9 +355,12 @@ class TrainingRPC:
         """Forget a micro-batch whose backward was refused (its gradients are never applied)."""
         if self.trainer is not None and request.run_id == self.run_id and self.owner is stream:
             self.trainer.drop(request.micro_id)
+        elif prompt_run := self.prompt_runs.get(request.run_id, stream):
+            prompt_run.drop(request.micro_id)
 
     def stream_closed(self, stream: object) -> None:
         """The owning trainer left: discard its partial step (applied steps and checkpoints stay)."""
+        self.prompt_runs.closed(stream)
         if self.owner is stream and self.trainer is not None:
             if self.trainer.micro_count or self.trainer.pending:
                 logger.info("Run %r: trainer left mid-step; discarding %d partial micro-batch(es)", self.run_id,
@@ -377,8 +372,8 @@ class TrainingRPC:
     def save_unsaved(self, why: str = "before leaving") -> Path | None:
         """Checkpoint the run's last applied step unless it is saved already: before the peer leaves, or before it
         switches to another run, so no step it trained is lost (a partial step's gradients are not kept)."""
-        if self.trainer is None or self.trainer.step == 0 or isinstance(self.trainer, PromptStageTrainer):
-            return None  # (a prompt run's stage changes nothing of ours)
+        if self.trainer is None or self.trainer.step == 0:
+            return None
         path = self._checkpoint_path()
         if path is None:
             logger.warning("Run %r: %d trained step(s) of blocks %d:%d are not saved (no --checkpoint_dir); they "
@@ -399,6 +394,8 @@ class TrainingRPC:
 
     # ---- internals --------------------------------------------------------------------------------
     def _trainer(self, run_id: str, stream: object) -> StageTrainer:
+        if prompt_run := self.prompt_runs.get(run_id, stream):
+            return prompt_run
         if self.trainer is None or run_id != self.run_id or self.owner is not stream:
             if self.moved:  # the run was open on the span this peer left: its trainer chooses the stages again
                 raise MovedError(self.moved)

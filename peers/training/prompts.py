@@ -10,7 +10,8 @@ Input prompts never leave the trainer (the first stage sees hidden states). Deep
 to the stage that owns those blocks, packed after the hidden states' rows (``pack``/``unpack``: the tensor goes
 through the same serialization, encryption and size checks), and their gradient comes back packed after the grad of
 the stage's input. A stage of a prompt run (``PromptStageTrainer``) trains nothing: its blocks are frozen, every step
-leaves them as they were, and it only returns gradients.
+leaves them as they were, and it only returns gradients. A peer serves several prompt runs at once, beside its own
+training run (``peers.server.prompt_runs``).
 """
 
 from __future__ import annotations
@@ -151,10 +152,12 @@ class PromptStageTrainer(StageTrainer):
 
     def __init__(self, blocks: StageBlocks, optim: OptimConfig, accumulation: int, *, prompts: int, deep: bool,
                  keep_activations: bool = True, max_pending: int = 64, auto_step: bool = True) -> None:
+        flags = [p.requires_grad for p in blocks.parameters()]  # the peer's own run may train these blocks
         super().__init__(blocks, optim, accumulation, keep_activations=keep_activations, max_pending=max_pending,
                          auto_step=auto_step)
-        self.blocks.requires_grad_(False)  # the served weights: no grad, no optimizer, no step changes them
-        self.part = FrozenPart(optim)
+        for p, flag in zip(self.blocks.parameters(), flags, strict=True):
+            p.requires_grad_(flag)
+        self.part = FrozenPart(optim)  # no optimizer: no step of this run changes a weight
         self.versions = WeightVersions([])
         self.prompts, self.deep = prompts, deep
         self._deep: dict[str, torch.Tensor] = {}  # micro id -> its deep prompts (a leaf), until its backward
@@ -179,7 +182,7 @@ class PromptStageTrainer(StageTrainer):
             deep_leaf = None if deep is None else deep.detach().requires_grad_(keep)
             with torch.set_grad_enabled(keep):
                 out = run_blocks(self.blocks, leaf, positions, deep_leaf)
-            saved = _Saved(hidden.detach(), positions)
+            saved = _Saved(hidden.detach(), positions, version=self._weights_version())
             if keep:
                 saved.leaf, saved.output = leaf, out
             self._pending[micro_id] = saved
@@ -220,9 +223,9 @@ class PromptStageTrainer(StageTrainer):
                 raise GradientError(f"micro-batch {micro_id!r} is not pending here (never forwarded, or dropped): "
                                     "forward it again")
             self._check_grad(micro_id, grad_output, saved.hidden)
-            if saved.output is not None and saved.leaf is not None:
+            if saved.output is not None and saved.leaf is not None and saved.version == self._weights_version():
                 leaf, out = saved.leaf, saved.output
-            else:  # activations not kept: run the forward again from the kept input
+            else:  # activations not kept, or the peer's own run stepped the weights since: the forward again
                 leaf = saved.hidden.detach().requires_grad_(True)
                 deep = None if deep is None else deep.detach().requires_grad_(True)
                 with torch.enable_grad():
@@ -236,6 +239,10 @@ class PromptStageTrainer(StageTrainer):
             if self.auto_step and self.micro_count >= self.accumulation:
                 self._optimizer_step()
             return grads[0] if deep is None else pack(grads[0], grads[1])
+
+    def _weights_version(self) -> int:
+        """Changes whenever a weight of the blocks is changed in place (an optimizer step of the peer's own run)."""
+        return sum(p._version for p in self.blocks.parameters())
 
     def drop(self, micro_id: str) -> bool:
         with self._lock:
@@ -275,9 +282,3 @@ def prompt_run_refusal(*, prompts: int, deep: bool, staleness: int, average_ever
                 "frozen): open it with staleness = 0 and average_every = 0")
     return ""
 
-
-def prompt_kind_matches(trainer: StageTrainer, prompts: int, deep: bool) -> bool:
-    """True if ``trainer`` is the kind of stage a run with these prompt settings needs (re-opening keeps it)."""
-    if isinstance(trainer, PromptStageTrainer):
-        return (trainer.prompts, trainer.deep) == (prompts, deep)
-    return not prompts

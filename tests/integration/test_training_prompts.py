@@ -1,6 +1,6 @@
 """Prompt tuning through the swarm on real processes (star): the trainer's input and deep prompts train, the losses
-equal one process bit for bit (fp32), the stage peers' blocks stay exactly as they were, and deep prompts of the
-wrong shape are refused with the peer serving on."""
+equal one process bit for bit (fp32), two runs share the peers side by side, the stage peers' blocks stay exactly as
+they were, deep prompts of the wrong shape are refused with the peer serving on, and ``swarm train`` resumes prompts."""
 
 from __future__ import annotations
 
@@ -73,30 +73,38 @@ def prompt_client(train_stages, llama_dir):
 
 def test_prompt_tuning_equals_one_process_and_leaves_the_blocks_unchanged(train_stages, served_weights,
                                                                           prompt_client, llama_dir):
-    """Input + deep prompts through three peers: every loss, the prompts and the held-out loss equal one process."""
+    """Two prompt runs side by side on the same three peers (input + deep prompts; input prompts only), steps
+    interleaved: every loss, the prompts and the held-out loss of each equal its own one-process run bit for bit."""
     _, procs = train_stages
     client = prompt_client
     before = _served(client, procs)
-    reference = served_weights(client, LocalTrainer(llama_dir, OPTIM, ACCUMULATION, stages=STAGES, prompts=PROMPTS,
-                                                    deep_prompts=True, seed=7), procs)
-    trainer = SwarmTrainer(client, OPTIM, ACCUMULATION, in_flight=1, topology="star", run_id="prompts-exact",
-                           prompts=PROMPTS, deep_prompts=True, prompt_seed=7)
-    trainer.start()
-    data = TokenBatches(encode_bytes(TEXT), seq_len=16, micro_batch=2, seed=1)
-    swarm_losses, local_losses = [], []
+    runs = []
+    for name, deep, seed in (("prompts-deep", True, 7), ("prompts-input", False, 3)):
+        reference = served_weights(client, LocalTrainer(llama_dir, OPTIM, ACCUMULATION, stages=STAGES,
+                                                        prompts=PROMPTS, deep_prompts=deep, seed=seed), procs)
+        trainer = SwarmTrainer(client, OPTIM, ACCUMULATION, in_flight=1, topology="star", run_id=name,
+                               prompts=PROMPTS, deep_prompts=deep, prompt_seed=seed)
+        trainer.start()
+        runs.append((trainer, reference, TokenBatches(encode_bytes(TEXT), seq_len=16, micro_batch=2, seed=seed)))
+    losses: dict[str, tuple[list[float], list[float]]] = {trainer.run_id: ([], []) for trainer, _, _ in runs}
     for _ in range(STEPS):
-        micro = [data.next_micro() for _ in range(ACCUMULATION)]
-        result = trainer.train_step(micro)
-        assert result.stage_steps == [trainer.steps_done] * 3
-        swarm_losses.append(result.loss)
-        local_losses.append(reference.train_step(micro))
-    assert swarm_losses == local_losses  # bit for bit
-    assert swarm_losses[-1] < swarm_losses[0]
-    assert reference.prompts is not None and trainer.prompts is not None
-    assert torch.equal(trainer.prompts.input, reference.prompts.input)
-    assert torch.equal(trainer.prompts.deep, reference.prompts.deep)
-    ids = data.next_micro()
-    assert trainer.evaluate(ids) == reference.evaluate(ids)
+        for trainer, reference, data in runs:  # (each run's steps between the other's: the peers keep both)
+            micro = [data.next_micro() for _ in range(ACCUMULATION)]
+            result = trainer.train_step(micro)
+            assert result.stage_steps == [trainer.steps_done] * 3
+            losses[trainer.run_id][0].append(result.loss)
+            losses[trainer.run_id][1].append(reference.train_step(micro))
+    for trainer, reference, data in runs:
+        swarm_losses, local_losses = losses[trainer.run_id]
+        assert swarm_losses == local_losses  # bit for bit
+        assert swarm_losses[-1] < swarm_losses[0]
+        assert reference.prompts is not None and trainer.prompts is not None
+        assert torch.equal(trainer.prompts.input, reference.prompts.input)
+        assert (trainer.prompts.deep is None) == (reference.prompts.deep is None)
+        if trainer.prompts.deep is not None:
+            assert torch.equal(trainer.prompts.deep, reference.prompts.deep)
+        ids = data.next_micro()
+        assert trainer.evaluate(ids) == reference.evaluate(ids)
     after = _served(client, procs)
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # nobody else's model changed
 
