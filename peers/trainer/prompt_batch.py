@@ -10,17 +10,37 @@ which a prompt stage runs without keeping anything.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-from peers.training import PartOptimizer, loss_of
+from peers.trainer.step_run import StepRun
+from peers.training import OptimConfig, PartOptimizer, loss_of
 from peers.training.prompts import EVAL_PREFIX, Prompts, pack, prompt_parameters, token_positions, unpack
-from peers.wire.messages import TrainBackward, TrainForward
+from peers.wire.messages import Message, TrainBackward, TrainForward
+from swarm.records import PeerRecord
 
-if TYPE_CHECKING:
-    from peers.trainer.step_run import StepRun
-    from peers.trainer.swarm_trainer import SwarmTrainer
+
+class SwarmTrainer(Protocol):
+    """What this needs of ``peers.trainer.swarm_trainer.SwarmTrainer`` (which imports this module)."""
+
+    client: Any
+    run_id: str
+    optim: OptimConfig
+    part: PartOptimizer
+    prompts: Prompts | None
+    topology: str
+    staleness: int
+    recompute: bool
+    average_every: int
+    accumulation: int
+    replicas: list[list[PeerRecord]]
+    assignment: list[list[int]]
+    shares: list[list[int]]
+    bytes_sent: int
+    _evals: int
+
+    async def _call(self, peer_id: str, message: Message, tensor: torch.Tensor | None) -> Any: ...
 
 
 def setup_prompts(trainer: SwarmTrainer, count: int, deep: bool, seed: int) -> Prompts | None:
@@ -107,7 +127,7 @@ async def prompted_logits(trainer: SwarmTrainer, input_ids: torch.Tensor) -> tor
     assert prompts is not None
     with torch.no_grad():
         hidden = _first_hidden(trainer, prompts, input_ids.to(client.device)).detach()
-        trainer._evals = getattr(trainer, "_evals", 0) + 1
+        trainer._evals += 1
         micro_id = f"{EVAL_PREFIX}{trainer._evals}"
         for group in trainer.replicas:
             _, hidden = await _forward(trainer, group[0].peer_id, micro_id, hidden, prompts,
