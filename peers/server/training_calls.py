@@ -90,7 +90,8 @@ class TrainingCalls(StreamCalls):
             logger.info("%s(run=%r, %s) refused: %s", type(request).__name__, request.run_id,
                         getattr(request, "micro_id", getattr(request, "round", "")), e)
             return [reply(error=str(e))]
-        return tensor_reply(output, InferenceReply(step=self.training.step, compute_ms=elapsed_ms(started)),
+        step = self.training.step_of(request.run_id, call.stream)  # (a prompt run's own count)
+        return tensor_reply(output, InferenceReply(step=step, compute_ms=elapsed_ms(started)),
                             call.stream)
 
     async def push(self, request: TrainPush, call: Call) -> Responses:

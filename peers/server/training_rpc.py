@@ -103,6 +103,11 @@ class TrainingRPC:
         """The step of the weights we serve: our run's, else that of the replica we started from."""
         return self.fetched_step if self.trainer is None else self.trainer.step
 
+    def step_of(self, run_id: str, stream: object) -> int:
+        """The step of run ``run_id`` of ``stream``: a prompt run's own count, else that of our weights."""
+        prompt_run = self.prompt_runs.get(run_id, stream)
+        return self.step if prompt_run is None else prompt_run.step
+
     async def open(self, request: TrainOpen, stream: object) -> int:
         """Join ``request.run_id`` (resuming from this peer's checkpoint if it has one); returns the step.
 

@@ -78,14 +78,16 @@ def test_prompt_tuning_equals_one_process_and_leaves_the_blocks_unchanged(train_
     _, procs = train_stages
     client = prompt_client
     before = _served(client, procs)
-    runs = []
+    runs, initial = [], {}
     for name, deep, seed in (("prompts-deep", True, 7), ("prompts-input", False, 3)):
         reference = served_weights(client, LocalTrainer(llama_dir, OPTIM, ACCUMULATION, stages=STAGES,
                                                         prompts=PROMPTS, deep_prompts=deep, seed=seed), procs)
         trainer = SwarmTrainer(client, OPTIM, ACCUMULATION, in_flight=1, topology="star", run_id=name,
                                prompts=PROMPTS, deep_prompts=deep, prompt_seed=seed)
+        assert trainer.prompts is not None and reference.prompts is not None
         trainer.start()
         runs.append((trainer, reference, TokenBatches(encode_bytes(TEXT), seq_len=16, micro_batch=2, seed=seed)))
+        initial[name] = trainer.prompts.input.detach().clone()
     losses: dict[str, tuple[list[float], list[float]]] = {trainer.run_id: ([], []) for trainer, _, _ in runs}
     for _ in range(STEPS):
         for trainer, reference, data in runs:  # (each run's steps between the other's: the peers keep both)
@@ -97,8 +99,7 @@ def test_prompt_tuning_equals_one_process_and_leaves_the_blocks_unchanged(train_
     for trainer, reference, data in runs:
         swarm_losses, local_losses = losses[trainer.run_id]
         assert swarm_losses == local_losses  # bit for bit
-        assert swarm_losses[-1] < swarm_losses[0]
-        assert reference.prompts is not None and trainer.prompts is not None
+        assert not torch.equal(trainer.prompts.input, initial[trainer.run_id])  # the prompts trained
         assert torch.equal(trainer.prompts.input, reference.prompts.input)
         assert (trainer.prompts.deep is None) == (reference.prompts.deep is None)
         if trainer.prompts.deep is not None:
