@@ -14,6 +14,8 @@ Files:
     stage.py     ``StageTrainer`` (a peer's blocks: forward/backward per micro-batch) and ``GradientError``.
     state.py     ``save_stage_state``/``load_stage_state``: weights + AdamW state, written atomically.
     local.py     ``LocalTrainer``: the one-process reference with the same parts; ``loss_of``.
+    prompts.py   prompt tuning: the trainer's ``Prompts`` (input and deep), packing deep prompts after hidden states,
+                 ``PromptStageTrainer`` (a frozen stage that only returns gradients).
 """
 
 from .config import OptimConfig, TrainConfig

@@ -5,7 +5,8 @@ part per stage range) and gives each part its own AdamW and its own grad-norm cl
 run with the same stage ranges must reproduce its parameters and losses. With ``staleness=1`` each step's gradients
 are taken at the weights from before the previous step (w[n+1] = w[n] - lr * g(w[n-1]); the first step at w[0]),
 as a swarm run with asynchronous steps computes them: the old weights are copied in for the forwards and backwards,
-and the current ones back for the optimizer step.
+and the current ones back for the optimizer step. With ``prompts`` (prompt tuning, ``peers.training.prompts``) the model
+is frozen and the only part is the prompts, as on a swarm run with prompts.
 """
 
 from __future__ import annotations
