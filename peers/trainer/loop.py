@@ -33,13 +33,13 @@ def held_out_loss(trainer: SwarmTrainer, windows: torch.Tensor, rows: int = 8) -
 
 def pipeline_logits(trainer: SwarmTrainer, input_ids: torch.Tensor) -> torch.Tensor:
     """Logits through the trainer's stages (the peers it trains), or the client's router if it has none."""
+    if getattr(trainer, "prompts", None) is not None:  # a prompt run: with its prompts (``peers.trainer.prompt_batch``)
+        with torch.no_grad():
+            return trainer.client.loop.run(prompted_logits(trainer, input_ids))
     stages = list(getattr(trainer, "stages", []))
     if not stages or not all(hasattr(s, "peer_id") and hasattr(s, "start") for s in stages):
         return trainer.client.forward(input_ids)
     client = trainer.client
-    if getattr(trainer, "prompts", None) is not None:  # a prompt run: with its prompts (``peers.trainer.prompt_batch``)
-        with torch.no_grad():
-            return client.loop.run(prompted_logits(trainer, input_ids))
 
     async def through_stages() -> torch.Tensor:
         hidden = client.embedding.embed(input_ids, default_position_ids(input_ids)).detach().to("cpu", client.dtype)

@@ -125,6 +125,8 @@ async def prompted_logits(trainer: SwarmTrainer, input_ids: torch.Tensor) -> tor
     """Logits of the tokens ``input_ids`` with the trainer's prompts, through its stages (nothing kept there)."""
     prompts, client = trainer.prompts, trainer.client
     assert prompts is not None
+    if not trainer.replicas:
+        raise RuntimeError("the prompt run is not open on any stage yet: call start() first")
     with torch.no_grad():
         hidden = _first_hidden(trainer, prompts, input_ids.to(client.device)).detach()
         trainer._evals += 1
