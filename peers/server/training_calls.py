@@ -13,6 +13,7 @@ from hivemind.proto import runtime_pb2
 
 from peers.server.calls import Call, Deferred, Responses, StreamCalls, defer, elapsed_ms, reply, tensor_reply
 from peers.server.training_rpc import TrainingRPC
+from peers.training.prompts import prompt_rows
 from peers.wire.errors import ChainError, RequestError
 from peers.wire.messages import (
     InferenceReply,
@@ -75,8 +76,9 @@ class TrainingCalls(StreamCalls):
             if isinstance(request, ParamsPush):
                 self.training.receive_params(request, tensor, call.caller)
                 return [reply()]
-            if isinstance(request, TrainForward):
-                self.check_hidden(tensor)
+            if isinstance(request, TrainForward):  # (deep prompts' rows come after the batch's: not batch rows)
+                extra = prompt_rows(request.prompt_shape, tensor.shape[1]) if tensor.ndim == 3 else 0
+                self.check_hidden(tensor, max_rows=self.info.max_batch_size + extra)
                 output = await self.training.forward(request, tensor, call.stream)
             else:
                 if request.recompute and tensor.ndim == 4:

@@ -97,6 +97,14 @@ def packed_rows(shape: Sequence[int], seq: int) -> int:
     return math.ceil(blocks * count / seq)
 
 
+def prompt_rows(shape: Sequence[int], seq: int) -> int:
+    """Rows that deep prompts of ``shape`` (as a request states it, unchecked) take after the hidden states; 0 for
+    a shape that is not ``[blocks, prompts, hidden]`` within bounds (the stage refuses it with a message)."""
+    if len(shape) != 3 or seq < 1 or not (0 < shape[0] <= 1 << 12 and 0 < shape[1] <= MAX_PROMPTS):
+        return 0
+    return packed_rows(shape, seq)
+
+
 def pack(hidden: torch.Tensor, deep: torch.Tensor) -> torch.Tensor:
     """``[B + r, S, H]``: ``hidden [B, S, H]``, then ``deep [n, P, H]`` flattened into ``r`` rows, zero-padded."""
     _, seq, size = hidden.shape

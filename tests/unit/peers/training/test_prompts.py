@@ -10,7 +10,15 @@ import torch
 
 from peers.model import load_blocks, make_tiny_model
 from peers.training import LocalTrainer, OptimConfig, TrainConfig
-from peers.training.prompts import Prompts, PromptStageTrainer, check_prompt_shape, pack, run_blocks, unpack
+from peers.training.prompts import (
+    Prompts,
+    PromptStageTrainer,
+    check_prompt_shape,
+    pack,
+    prompt_rows,
+    run_blocks,
+    unpack,
+)
 
 OPTIM = OptimConfig(lr=1e-2, warmup_steps=1, total_steps=6, clip_norm=0.5, weight_decay=0.1)
 B, T, H, P = 2, 8, 32, 3
@@ -32,6 +40,7 @@ def test_pack_and_unpack_round_trip() -> None:
         unpack(hidden[:1], [3, 8, H])  # 3 x 8 vectors need 3 rows: the tensor has only 1
     with pytest.raises(ValueError, match=r"takes \[blocks, prompts, hidden\] = \[2, 3, 32\]"):
         check_prompt_shape([3, 3, H], blocks=2, prompts=3, hidden_size=H, seq=T)
+    assert prompt_rows([3, P, H], T) == 2 and prompt_rows([3, P], T) == prompt_rows([-1, P, H], T) == 0
     with pytest.raises(ValueError, match="leave no token"):
         check_prompt_shape([2, 8, H], blocks=2, prompts=8, hidden_size=H, seq=8)
 
