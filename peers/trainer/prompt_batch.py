@@ -36,7 +36,6 @@ class SwarmTrainer(Protocol):
     accumulation: int
     replicas: list[list[PeerRecord]]
     assignment: list[list[int]]
-    shares: list[list[int]]
     bytes_sent: int
     _evals: int
 
@@ -83,17 +82,17 @@ async def _forward(trainer: SwarmTrainer, peer_id: str, micro_id: str, hidden: t
 
 
 async def prompt_micro_batch(trainer: SwarmTrainer, run: StepRun, input_ids: torch.Tensor, index: int) -> float:
-    """Micro-batch ``index`` of the step through a replica of each stage (star); adds the prompts' grads."""
+    """Micro-batch ``index`` of the step through a replica of each stage (star); adds the prompts' grads. Grads go
+    unscaled to every replica: a frozen stage has no step of its own to weigh."""
     prompts, client = trainer.prompts, trainer.client
     assert prompts is not None
     micro_id = f"{run.index}.{index}"
     input_ids = input_ids.to(client.device)
     first = _first_hidden(trainer, prompts, input_ids)  # with grad: the input prompts train here
-    hidden, route = first.detach(), []
+    hidden, route = first.detach(), []  # route: the replica of each stage that takes this micro-batch
     for stage, group in enumerate(trainer.replicas):
-        replica = trainer.assignment[stage][index]
-        route.append((group[replica].peer_id, trainer.accumulation / trainer.shares[stage][replica]))
-        compute_ms, hidden = await _forward(trainer, route[-1][0], micro_id, hidden, prompts,
+        route.append(group[trainer.assignment[stage][index]].peer_id)
+        compute_ms, hidden = await _forward(trainer, route[-1], micro_id, hidden, prompts,
                                             (group[0].start, group[0].end))
         run.stage_busy[stage] += compute_ms / 1e3
     last = hidden.to(client.device, client.dtype).requires_grad_(True)
@@ -101,18 +100,15 @@ async def prompt_micro_batch(trainer: SwarmTrainer, run: StepRun, input_ids: tor
     (grad,) = torch.autograd.grad(loss, [last])
     deep_grads: list[torch.Tensor] = []
     for stage in reversed(range(len(trainer.replicas))):
-        peer_id, scale = route[stage]
-        payload = grad * scale if scale != 1 else grad
-        trainer.bytes_sent += payload.numel() * payload.element_size()
-        reply, returned = await trainer._call(peer_id, TrainBackward(run_id=trainer.run_id, micro_id=micro_id),
-                                              payload)
+        trainer.bytes_sent += grad.numel() * grad.element_size()
+        reply, returned = await trainer._call(route[stage], TrainBackward(run_id=trainer.run_id, micro_id=micro_id),
+                                              grad)
         if prompts.deep is not None:
             span = trainer.replicas[stage][0]
             grad, deep_grad = unpack(returned, [span.end - span.start, prompts.count, prompts.deep.shape[-1]])
-            deep_grads.insert(0, deep_grad / scale if scale != 1 else deep_grad)
+            deep_grads.insert(0, deep_grad)
         else:
             grad = returned
-        grad = grad / scale if scale != 1 else grad
         run.stage_steps[stage] = max(run.stage_steps[stage], reply.step)
         run.stage_busy[stage] += reply.compute_ms / 1e3
     (input_grad,) = torch.autograd.grad(first, [prompts.input], grad.to(client.device, client.dtype))
