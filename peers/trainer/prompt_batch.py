@@ -112,7 +112,8 @@ async def prompt_micro_batch(trainer: SwarmTrainer, run: StepRun, input_ids: tor
         run.stage_steps[stage] = max(run.stage_steps[stage], reply.step)
         run.stage_busy[stage] += reply.compute_ms / 1e3
     (input_grad,) = torch.autograd.grad(first, [prompts.input], grad.to(client.device, client.dtype))
-    grads = [input_grad] if prompts.deep is None else [input_grad, torch.cat(deep_grads).to(prompts.deep.dtype)]
+    grads = [input_grad] if prompts.deep is None else \
+        [input_grad, torch.cat(deep_grads).to(prompts.deep.device, prompts.deep.dtype)]
     trainer.part.add(grads)
     return float(loss.detach())
 

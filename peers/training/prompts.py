@@ -109,7 +109,7 @@ def pack(hidden: torch.Tensor, deep: torch.Tensor) -> torch.Tensor:
     """``[B + r, S, H]``: ``hidden [B, S, H]``, then ``deep [n, P, H]`` flattened into ``r`` rows, zero-padded."""
     _, seq, size = hidden.shape
     rows = packed_rows(deep.shape, seq)
-    flat = deep.reshape(-1, size).to(hidden.dtype)
+    flat = deep.reshape(-1, size).to(hidden.device, hidden.dtype)
     pad = flat.new_zeros(rows * seq - flat.shape[0], size)
     return torch.cat([hidden, torch.cat([flat, pad]).view(rows, seq, size)])
 
