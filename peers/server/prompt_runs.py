@@ -63,6 +63,10 @@ class PromptRuns:
     def get(self, run_id: str, stream: object) -> PromptStageTrainer | None:
         return self.runs.get((stream, run_id))
 
+    def discard(self, run_id: str, stream: object) -> None:
+        """Forget ``stream``'s prompt run ``run_id`` if there is one."""
+        self.runs.pop((stream, run_id), None)
+
     def closed(self, stream: object) -> None:
         """The stream's trainer left: its runs end (nothing of theirs is kept)."""
         for key in [k for k in self.runs if k[0] is stream]:

@@ -127,6 +127,7 @@ class TrainingRPC:
                                f"{self.info.end}, not {request.start}:{request.end}")
         if request.prompts:  # prompt tuning: a frozen run beside the others (``peers.server.prompt_runs``)
             return self.prompt_runs.open(request, stream)
+        self.prompt_runs.discard(request.run_id, stream)  # (the trainer re-opens it as a run that trains our blocks)
         if self.owner is not None and self.owner is not stream and self.run_id != request.run_id:
             raise RequestError(f"this peer is training run {self.run_id!r} for another trainer; pick another peer")
         if not 1 <= request.accumulation <= 1 << 16 or min(request.checkpoint_every, request.run_step,
@@ -358,10 +359,10 @@ class TrainingRPC:
 
     def drop(self, request: TrainBackward, stream: object) -> None:
         """Forget a micro-batch whose backward was refused (its gradients are never applied)."""
-        if self.trainer is not None and request.run_id == self.run_id and self.owner is stream:
-            self.trainer.drop(request.micro_id)
-        elif prompt_run := self.prompt_runs.get(request.run_id, stream):
+        if prompt_run := self.prompt_runs.get(request.run_id, stream):
             prompt_run.drop(request.micro_id)
+        elif self.trainer is not None and request.run_id == self.run_id and self.owner is stream:
+            self.trainer.drop(request.micro_id)
 
     def stream_closed(self, stream: object) -> None:
         """The owning trainer left: discard its partial step (applied steps and checkpoints stay)."""

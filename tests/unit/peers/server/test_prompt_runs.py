@@ -45,6 +45,8 @@ def test_runs_side_by_side_bounded_and_ended_with_their_stream(blocks) -> None:
     hidden = torch.randn(1, 6, H)
     run.forward_packed("m", pack(hidden, torch.zeros(2, P, H)), [2, P, H])
     assert runs.open(_open("a"), first) == 0 and run.pending == 0  # a re-open discards the partial step
+    runs.discard("a", second)
+    assert runs.get("a", second) is None and runs.open(_open("a"), second) == 0
     runs.closed(first)
     assert runs.get("a", first) is None and runs.get("a", second) is not None
     assert runs.open(_open("b"), first) == 0  # room again
