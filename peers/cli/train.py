@@ -63,10 +63,11 @@ def add_train_command(sub) -> None:
     train.add_argument("--device", default="auto",
                        help="where this process trains the embedding and head: auto (cuda when a GPU is visible, "
                             "else cpu), cpu, cuda, cuda:1, ...; they train in float32 (master weights) everywhere")
-    train.add_argument("--topology", choices=TOPOLOGIES, default="chain",
+    train.add_argument("--topology", choices=TOPOLOGIES, default=None,
                        help="chain: each stage hands its output straight to the next one (this process's link carries "
                             "the first stage's input and the last one's output only); star: every hidden state and "
-                            "gradient goes through this process")
+                            "gradient goes through this process (default: chain; star for prompt tuning, which runs "
+                            "in the star topology only)")
     train.add_argument("--compression", default=None,
                        help="how hidden states and grads travel between stages (default: the config's): none "
                             "(bit-exact), fp16, bf16, int8, topk:FRACTION[/int8] or adaptive (per link: compressed "
@@ -187,14 +188,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
                            "`swarm dht` runs there; a private swarm also needs --private and --identity_path") from e
     with client:
         _print_trainer_id(client, swarm.identity_path, console)
+        topology = args.topology or ("star" if config.prompts else "chain")
         trainer = SwarmTrainer(client, config.optim, config.accumulation, in_flight=config.in_flight, run_id=run_id,
                                keep_activations=config.keep_activations, checkpoint_every=config.checkpoint_every,
                                average_every=config.average_every, outer_lr=config.outer_lr,
                                outer_momentum=config.outer_momentum, rechoose_every=config.rechoose_every,
                                pipeline_wait=args.wait_peers,  # also for a stage's peer that restarts mid-run
-                               topology=args.topology, plan=args.plan, compression=config.compression,
+                               topology=topology, plan=args.plan, compression=config.compression,
                                staleness=config.staleness if args.staleness is None else args.staleness,
-                               adapter=config.adapter, adapter_seed=config.seed)
+                               adapter=config.adapter, adapter_seed=config.seed,
+                               prompts=config.prompts, deep_prompts=config.deep_prompts, prompt_seed=config.seed)
         path = trainer_checkpoint_path(config.checkpoint_dir, run_id) if config.checkpoint_dir else None
         resumed = path is not None and _resume(trainer, path, config, batches, console)
         extra = {**{k: getattr(config, k) for k in GEOMETRY}, "model": client.model_name,
@@ -235,7 +238,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             raise
         if path is not None and (not saved_at or saved_at[-1] != trainer.steps_done):
             save()
-    summary.update(resumed=resumed, checkpoint=str(path) if path else None, topology=args.topology,
+    summary.update(resumed=resumed, checkpoint=str(path) if path else None, topology=topology,
                    falling=math.isfinite(summary["held_out_after"])
                    and summary["held_out_after"] < summary["held_out_before"])
     print("summary " + json.dumps(summary), flush=True)

@@ -13,6 +13,7 @@ from hivemind.proto import runtime_pb2
 
 from peers.server.calls import Call, Deferred, Responses, StreamCalls, defer, elapsed_ms, reply, tensor_reply
 from peers.server.training_rpc import TrainingRPC, frozen_base
+from peers.training.prompts import prompt_rows
 from peers.wire.errors import ChainError, RequestError
 from peers.wire.messages import (
     InferenceReply,
@@ -88,8 +89,9 @@ class TrainingCalls(StreamCalls):
             if isinstance(request, ParamsPush):
                 rpc.receive_params(request, tensor, call.caller)
                 return [reply()]
-            if isinstance(request, TrainForward):
-                self.check_hidden(tensor)
+            if isinstance(request, TrainForward):  # (deep prompts' rows come after the batch's: not batch rows)
+                extra = prompt_rows(request.prompt_shape, tensor.shape[1]) if tensor.ndim == 3 else 0
+                self.check_hidden(tensor, max_rows=self.info.max_batch_size + extra)
                 output = await rpc.forward(request, tensor, call.stream)
             else:
                 if request.recompute and tensor.ndim == 4:
@@ -103,7 +105,8 @@ class TrainingCalls(StreamCalls):
             logger.info("%s(run=%r, %s) refused: %s", type(request).__name__, request.run_id,
                         getattr(request, "micro_id", getattr(request, "round", "")), e)
             return [reply(error=str(e))]
-        return tensor_reply(output, InferenceReply(step=rpc.step, compute_ms=elapsed_ms(started)), call.stream)
+        step = rpc.step_of(request.run_id, call.stream)  # (a prompt run's own count)
+        return tensor_reply(output, InferenceReply(step=step, compute_ms=elapsed_ms(started)), call.stream)
 
     async def push(self, request: TrainPush, call: Call) -> Responses:
         """An adjacent stage's output (or grad) for a micro-batch of our run: into the inbox, acked at once."""

@@ -33,9 +33,11 @@ from peers.core.finite import all_finite
 from peers.core.trainers import TrainerPolicy
 from peers.model.blocks import StageBlocks
 from peers.server.averaging import ReplicaAverager, StreamFor, round_at
+from peers.server.prompt_runs import PromptRuns
 from peers.server.training_chain import MAX_SCALE, TrainChain
 from peers.training import GradientError, OptimConfig, StageTrainer
 from peers.training.lora import LoraAdapter, parse_adapter
+from peers.training.prompts import PromptStageTrainer
 from peers.training.state import read_state_info, run_checkpoint_dir, stage_checkpoint_path
 from peers.wire.errors import MovedError, RequestError
 from peers.wire.messages import (
@@ -115,11 +117,17 @@ class TrainingRPC:
         self.adapter_mode = adapter_mode  # this object serves one adapter run (``peers.server.adapter_runs``)
         self.adapter_owner = ""  # its trainer's peer id
         self.adapter_runs: Any = None  # the base side's registry of adapter runs (``AdapterRuns``), set by the server
+        self.prompt_runs = PromptRuns(blocks, max_pending=MAX_PENDING)  # frozen runs, side by side with ours
 
     @property
     def step(self) -> int:
         """The step of the weights we serve: our run's, else that of the replica we started from."""
         return self.fetched_step if self.trainer is None else self.trainer.step
+
+    def step_of(self, run_id: str, stream: object) -> int:
+        """The step of run ``run_id`` of ``stream``: a prompt run's own count, else that of our weights."""
+        prompt_run = self.prompt_runs.get(run_id, stream)
+        return self.step if prompt_run is None else prompt_run.step
 
     async def open(self, request: TrainOpen, stream: object) -> int:
         """Join ``request.run_id`` (resuming from this peer's checkpoint if it has one); returns the step.
@@ -138,6 +146,9 @@ class TrainingRPC:
                 raise MovedError(self.moved)
             raise RequestError(f"training uses a peer's whole span: this peer serves {self.info.start}:"
                                f"{self.info.end}, not {request.start}:{request.end}")
+        if request.prompts:  # prompt tuning: a frozen run beside the others (``peers.server.prompt_runs``)
+            return self.prompt_runs.open(request, stream)
+        self.prompt_runs.discard(request.run_id, stream)  # (the trainer re-opens it as a run that trains our blocks)
         if self.owner is not None and self.owner is not stream and self.run_id != request.run_id:
             raise RequestError(f"this peer is training run {self.run_id!r} for another trainer; pick another peer")
         if not 1 <= request.accumulation <= 1 << 16 or min(request.checkpoint_every, request.run_step,
@@ -275,6 +286,10 @@ class TrainingRPC:
 
     async def forward(self, request: TrainForward, hidden: torch.Tensor, stream: object) -> torch.Tensor:
         trainer = self._trainer(request.run_id, stream)
+        if isinstance(trainer, PromptStageTrainer):  # its deep prompts come packed after the hidden states
+            return await self._compute(trainer.forward_packed, request.micro_id, hidden, request.prompt_shape)
+        if request.prompt_shape:
+            raise RequestError(f"run {request.run_id[:64]!r} has no prompts: a forward carries no deep prompts")
         positions = _positions(hidden)
         return await self._compute(trainer.forward, request.micro_id, hidden, positions, at_step=request.at_step)
 
@@ -298,7 +313,7 @@ class TrainingRPC:
         except GradientError as e:
             logger.info("Run %r: dropped micro-batch %r: %s", self.run_id, request.micro_id, e)
             raise
-        if trainer.step != before:
+        if trainer.step != before and not isinstance(trainer, PromptStageTrainer):
             await self._after_step(trainer)
         return grad_input / request.scale if request.scale != 1 else grad_input
 
@@ -311,7 +326,7 @@ class TrainingRPC:
         except GradientError as e:
             logger.warning("Run %r: step not applied: %s", self.run_id, e)
             raise
-        if trainer.step != before:
+        if trainer.step != before and not isinstance(trainer, PromptStageTrainer):
             self.chain.applied(trainer.pending_ids())
             await self._after_step(trainer)
         return trainer.step
@@ -378,6 +393,7 @@ class TrainingRPC:
             await self.adapter_runs.retire(refusal)
         await self._compute(self.save_unsaved, "before moving to another span")
         self.trainer, self.owner, self.averager = None, None, None
+        self.prompt_runs.clear()
         self.shutdown()
 
     def _params(self, start: int | None, end: int | None) -> list[torch.nn.Parameter]:
@@ -402,11 +418,14 @@ class TrainingRPC:
 
     def drop(self, request: TrainBackward, stream: object) -> None:
         """Forget a micro-batch whose backward was refused (its gradients are never applied)."""
-        if self.trainer is not None and request.run_id == self.run_id and self.owner is stream:
+        if prompt_run := self.prompt_runs.get(request.run_id, stream):
+            prompt_run.drop(request.micro_id)
+        elif self.trainer is not None and request.run_id == self.run_id and self.owner is stream:
             self.trainer.drop(request.micro_id)
 
     def stream_closed(self, stream: object) -> None:
         """The owning trainer left: discard its partial step (applied steps and checkpoints stay)."""
+        self.prompt_runs.closed(stream)
         if self.owner is stream and self.trainer is not None:
             if self.trainer.micro_count or self.trainer.pending:
                 logger.info("Run %r: trainer left mid-step; discarding %d partial micro-batch(es)", self.run_id,
@@ -444,6 +463,8 @@ class TrainingRPC:
 
     # ---- internals --------------------------------------------------------------------------------
     def _trainer(self, run_id: str, stream: object) -> StageTrainer:
+        if prompt_run := self.prompt_runs.get(run_id, stream):
+            return prompt_run
         if self.trainer is None or run_id != self.run_id or self.owner is not stream:
             if self.moved:  # the run was open on the span this peer left: its trainer chooses the stages again
                 raise MovedError(self.moved)

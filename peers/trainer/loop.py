@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from peers.model.local import default_position_ids
+from peers.trainer.prompt_batch import prompted_logits
 from peers.trainer.swarm_trainer import StepResult, SwarmTrainer
 from peers.training import TokenBatches, loss_of
 
@@ -32,6 +33,9 @@ def held_out_loss(trainer: SwarmTrainer, windows: torch.Tensor, rows: int = 8) -
 
 def pipeline_logits(trainer: SwarmTrainer, input_ids: torch.Tensor) -> torch.Tensor:
     """Logits through the trainer's stages (the peers it trains), or the client's router if it has none."""
+    if getattr(trainer, "prompts", None) is not None:  # a prompt run: with its prompts (``peers.trainer.prompt_batch``)
+        with torch.no_grad():
+            return trainer.client.loop.run(prompted_logits(trainer, input_ids))
     stages = list(getattr(trainer, "stages", []))
     if not stages or not all(hasattr(s, "peer_id") and hasattr(s, "start") for s in stages):
         return trainer.client.forward(input_ids)

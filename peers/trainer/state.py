@@ -1,4 +1,5 @@
-"""Save and load the trainer's own part of a run: embedding + head, their AdamW state, steps and data position.
+"""Save and load the trainer's own part of a run: embedding + head (in a prompt run, the prompts), their AdamW state,
+steps and data position.
 
 The stage peers save their blocks themselves (``swarm peer --checkpoint_dir``); this is the other half. It
 uses ``peers.training.state`` on an ``nn.ModuleDict(embedding=..., head=...)``, so a head tied to the
@@ -38,14 +39,18 @@ def has_trainer_state(directory: str | Path) -> bool:
     return (Path(directory) / STATE_FILE).is_file()
 
 
-def _part(trainer: SwarmTrainer) -> nn.ModuleDict:
-    return client_part(trainer.client.embedding, trainer.client.head)
+def _part(trainer: SwarmTrainer) -> nn.Module:
+    """What the trainer trains: embedding + head, or in a prompt run its prompts (``input``, ``deep``)."""
+    prompts = getattr(trainer, "prompts", None)
+    return prompts if prompts is not None else client_part(trainer.client.embedding, trainer.client.head)
 
 
 
 def save_trainer_state(trainer: SwarmTrainer, directory: str | Path, extra: dict[str, Any] | None = None) -> Path:
     """Write the trainer's embedding + head, their AdamW state, ``steps_done`` and ``extra`` atomically."""
     meta = {**(extra or {}), "kind": KIND, "run_id": trainer.run_id, "steps_done": int(trainer.steps_done)}
+    if getattr(trainer, "prompts", None) is not None:  # a prompt run's part: the prompts (``peers.training.prompts``)
+        meta["prompts"] = trainer.prompts.count
     return save_stage_state(directory, _part(trainer), trainer.part.optimizer, trainer.part.step_count, meta)
 
 

@@ -56,6 +56,7 @@ from peers.core.config import TOPOLOGIES
 from peers.model.local import default_position_ids
 from peers.trainer import chain
 from peers.trainer.pipeline import stage_groups
+from peers.trainer.prompt_batch import prompt_micro_batch, prompted_logits, setup_prompts
 from peers.trainer.replay import StageShare, StepRecord, recover
 from peers.trainer.run_plan import RunPlanner
 from peers.trainer.step_run import StepRun
@@ -108,7 +109,7 @@ class SwarmTrainer:
                  outer_momentum: float = 0.0, rechoose_every: float = 30.0, pipeline_wait: float = 60.0,
                  topology: str = "chain", plan: bool = False, compression: str = "none",
                  stage_compression: dict[int, str] | None = None, staleness: int = 0, adapter: str = "",
-                 adapter_seed: int = 0) -> None:
+                 adapter_seed: int = 0, prompts: int = 0, deep_prompts: bool = False, prompt_seed: int = 0) -> None:
         if accumulation < 1 or in_flight < 1:
             raise ValueError("accumulation and in_flight must be >= 1")
         if staleness not in (0, 1):
@@ -151,6 +152,8 @@ class SwarmTrainer:
         # a LoRA run (``peers.training.lora``) trains only the adapters the stages hold for it, made from
         # ``adapter_seed``: the embedding and head stay frozen here as the blocks do there
         self.adapter, self.adapter_seed = (spec.text() if (spec := parse_adapter(adapter)) else ""), adapter_seed
+        if self.adapter and prompts:
+            raise ValueError("a run trains LoRA adapters or prompts, not both: drop `adapter` or `prompts`")
         if not self.adapter:
             for module in (client.embedding, client.head):
                 module.requires_grad_(True).train()
@@ -169,6 +172,9 @@ class SwarmTrainer:
         self._opened = 0  # times the run was (re-)opened: a step started before a re-open is dropped
         self._clean = False  # the last step was applied everywhere since the run was opened: the next may be stale
         self._peer_steps: dict[str, int] = {}  # each stage peer's step count (the weights ``at_step`` names)
+        # prompt tuning (``peers.trainer.prompt_batch``): the part is the prompts; the model stays frozen everywhere
+        self.prompts = setup_prompts(self, prompts, deep_prompts, prompt_seed)
+        self._evals = 0  # held-out forwards of a prompt run
 
     # ---- synchronous API -------------------------------------------------------------------------
     def start(self, wait: float | None = None) -> list[PeerRecord]:
@@ -198,6 +204,8 @@ class SwarmTrainer:
     def evaluate(self, input_ids: torch.Tensor) -> float:
         """Mean next-token loss on ``input_ids`` through the swarm (plain forward, no training state)."""
         with torch.no_grad():
+            if self.prompts is not None:  # with the prompts, through the run's stages
+                return loss_of(self.client.loop.run(prompted_logits(self, input_ids)), input_ids).item()
             return loss_of(self.client.forward(input_ids), input_ids).item()
 
     # ---- async -------------------------------------------------------------------------------------
@@ -220,7 +228,8 @@ class SwarmTrainer:
         for group, shares in zip(self.replicas, self.shares, strict=True):  # 1. open the run everywhere as it is
             for record, share in zip(group, shares, strict=True):
                 steps[record.peer_id] = await self._open(record, share, [r.peer_id for r in group], 0)
-        await recover(self, steps)  # a span that missed the last commit replays it (or its lost steps are named)
+        if self.prompts is None:  # (a prompt run's stages are frozen: nothing to replay on them)
+            await recover(self, steps)  # a span that missed the last commit replays it (or its lost steps are named)
         for group, shares in zip(self.replicas, self.shares, strict=True):  # 2. replicas behind catch up
             ahead = max(steps[r.peer_id] for r in group)
             ordered = sorted((r.peer_id for r in group), key=lambda p: -steps[p])  # most advanced first
@@ -244,13 +253,18 @@ class SwarmTrainer:
         also names the adjacent stages' replicas: the only peers it takes pushes from."""
         upstream, downstream = chain.neighbours(self.replicas, record.start, record.end) \
             if self.topology == "chain" else ([], [])
+        prompts = self.prompts.count if self.prompts is not None else 0
+        if prompts:  # frozen stages: their step count simply follows the run's; they have nothing to checkpoint
+            run_step = max(run_step, self.steps_done)
         reply, _ = await self._call(record.peer_id, TrainOpen(
             run_id=self.run_id, start=record.start, end=record.end, optim=self.optim.to_dict(), accumulation=share,
-            keep_activations=self.keep_activations, checkpoint_every=self.checkpoint_every, replicas=replicas,
+            keep_activations=self.keep_activations, checkpoint_every=0 if prompts else self.checkpoint_every,
+            replicas=replicas,
             average_every=self.average_every, outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
             explicit_apply=True, run_step=run_step, upstream=upstream, downstream=downstream, staleness=self.staleness,
             compression=self.stage_compression.get(self._stage_index(record), self.compression.setting),
             adapter=self.adapter, adapter_seed=self.adapter_seed,
+            prompts=prompts, deep_prompts=self.prompts is not None and self.prompts.deep is not None,
         ), None)
         return reply.step
 
@@ -387,6 +401,8 @@ class SwarmTrainer:
         return StepRun(self.steps_done + ahead, batches, spans, own=own, at_steps=at_steps, **common)
 
     async def _one(self, run: StepRun, input_ids: torch.Tensor, index: int) -> float:
+        if self.prompts is not None:
+            return await prompt_micro_batch(self, run, input_ids, index)
         if self.topology == "chain":
             return await chain.micro_batch(self, run, input_ids, index)
         return await self._micro_batch(run, input_ids, index)

@@ -16,6 +16,8 @@ Files:
     local.py     ``LocalTrainer``: the one-process reference with the same parts; ``loss_of``.
     lora.py      ``parse_adapter`` (LoRA spec text), ``LoraAdapter``: a run's adapters for a stage's blocks.
     lora_files.py  adapters as a ``peft`` folder (``save_peft_folder``, ``read_peft_folder``).
+    prompts.py   prompt tuning: the trainer's ``Prompts`` (input and deep), packing deep prompts after hidden states,
+                 ``PromptStageTrainer`` (a frozen stage that only returns gradients).
 """
 
 from .config import OptimConfig, TrainConfig

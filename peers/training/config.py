@@ -144,6 +144,7 @@ _TRAIN_TYPES = {
     "compression": "str",
     "staleness": "int",
     "adapter": "str",
+    "prompts": "int", "deep_prompts": "bool",
 }
 _PATH_KEYS = ("model_dir", "data", "checkpoint_dir")
 
@@ -177,6 +178,11 @@ class TrainConfig:
     # codec ("fp16", "bf16", "int8", "topk:0.1/int8") or "adaptive" (AdaTopK per link and direction)
     compression: str = "none"
     staleness: int = 0  # 1: asynchronous steps (each step's gradients at the weights before the previous update)
+    # prompt tuning (``peers.training.prompts``): ``prompts`` trainable vectors owned by the trainer, prepended to the
+    # input; with ``deep_prompts`` also one set per block, added to those positions before each block. The served
+    # model (blocks, embedding, head) stays frozen: only the prompts train
+    prompts: int = 0
+    deep_prompts: bool = False
     optim: OptimConfig = field(default_factory=OptimConfig)
     # a LoRA spec ("lora:r=8,alpha=16,targets=q_proj+v_proj", ``peers.training.lora``): the run trains only these
     # adapters, owned by the run, on frozen shared weights; "" trains the base weights (peers must allow the trainer)
@@ -194,6 +200,13 @@ class TrainConfig:
         if self.staleness not in (0, 1):
             problems.append(f"staleness must be 0 (synchronous steps, bit-exact with one process) or 1 "
                             f"(asynchronous: the next step starts while one drains), got {self.staleness}")
+        if self.prompts < 0 or (self.deep_prompts and not self.prompts):
+            problems.append(f"prompts must be >= 0 (0: no prompt tuning) and deep_prompts needs prompts >= 1, got "
+                            f"prompts={self.prompts}, deep_prompts={self.deep_prompts}")
+        elif self.prompts and (self.staleness or not self.keep_activations):
+            problems.append("prompt tuning needs staleness = 0 and keep_activations = true")
+        if self.prompts and self.adapter:
+            problems.append("a run trains LoRA adapters or prompts, not both: drop `adapter` or `prompts`")
         if self.rechoose_every < 0:
             problems.append(f"rechoose_every must be >= 0 seconds, got {self.rechoose_every}")
         if not 0 < self.outer_lr <= 2 or not 0 <= self.outer_momentum < 1:

@@ -6,7 +6,9 @@ run with the same stage ranges must reproduce its parameters and losses. With ``
 are taken at the weights from before the previous step (w[n+1] = w[n] - lr * g(w[n-1]); the first step at w[0]),
 as a swarm run with asynchronous steps computes them: the old weights are copied in for the forwards and backwards,
 and the current ones back for the optimizer step. With ``adapter`` (a LoRA spec, ``peers.training.lora``) only each
-stage's adapter trains, made from ``seed`` as a stage peer makes it; the embedding, head and blocks stay frozen.
+stage's adapter trains, made from ``seed`` as a stage peer makes it; the embedding, head and blocks stay frozen. With
+``prompts`` (prompt tuning, ``peers.training.prompts``) the model is frozen and the only part is the prompts, as on a
+swarm run with prompts. A run has adapters or prompts, not both.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from peers.model.local import default_position_ids
 from .config import OptimConfig
 from .lora import LoraAdapter, parse_adapter
 from .part import PartOptimizer, unique_parameters
+from .prompts import Prompts, prompt_parameters, run_blocks, token_positions
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +60,8 @@ class LocalTrainer:
 
     def __init__(self, model_dir: str | Path, optim: OptimConfig, accumulation: int, *,
                  stages: Sequence[tuple[int, int]] | None = None, device: str | torch.device = "cpu",
-                 dtype: torch.dtype | None = torch.float32, staleness: int = 0, adapter: str = "", seed: int = 0
-                 ) -> None:
+                 dtype: torch.dtype | None = torch.float32, staleness: int = 0, adapter: str = "", prompts: int = 0,
+                 deep_prompts: bool = False, seed: int = 0) -> None:
         if accumulation < 1:
             raise ValueError(f"accumulation must be >= 1, got {accumulation}")
         if staleness not in (0, 1):
@@ -70,15 +73,31 @@ class LocalTrainer:
         ranges = check_stage_ranges(stages or [(0, self.config.num_layers)], self.config.num_layers)
         self.embedding, self.head = load_client_parts(model_dir, device=device, dtype=dtype)
         spec = parse_adapter(adapter)
+        if spec is not None and prompts:
+            raise ValueError("a run trains LoRA adapters or prompts, not both: drop `adapter` or `prompts`")
         self.blocks = [load_blocks(model_dir, a, b, device=device, dtype=dtype) for a, b in ranges]
-        # a LoRA run trains each stage's adapter only; the base model stays frozen (as loaded)
-        self.adapters = [LoraAdapter(b, spec, seed) for b in self.blocks] if spec is not None else []
-        if spec is None:
+        self.prompts: Prompts | None = None
+        self.adapters: list[LoraAdapter] = []
+        if prompts or spec is not None:  # the served model stays frozen
             for module in (self.embedding, self.head, *self.blocks):
-                module.requires_grad_(True).train()
-        self.client = PartOptimizer(unique_parameters(self.embedding, self.head) if spec is None else [], optim)
-        self.stage_parts = [PartOptimizer(a.params(), optim) for a in self.adapters] if spec is not None else \
-            [PartOptimizer(b.parameters(), optim) for b in self.blocks]
+                module.requires_grad_(False)
+        if prompts:  # prompt tuning: the model stays frozen, only the prompts train (one part, as on the trainer)
+            if staleness:
+                raise ValueError("prompt tuning has synchronous steps only (staleness 0)")
+            self.prompts = Prompts.for_embedding(self.embedding, prompts, self.config.num_layers, deep=deep_prompts,
+                                                 seed=seed)
+            self.client = PartOptimizer(prompt_parameters(self.prompts), optim)
+            self.stage_parts = []
+            return
+        if spec is not None:  # a LoRA run trains each stage's adapter only; the base model stays frozen (as loaded)
+            self.adapters = [LoraAdapter(b, spec, seed) for b in self.blocks]
+            self.client = PartOptimizer([], optim)
+            self.stage_parts = [PartOptimizer(a.params(), optim) for a in self.adapters]
+            return
+        for module in (self.embedding, self.head, *self.blocks):
+            module.requires_grad_(True).train()
+        self.client = PartOptimizer(unique_parameters(self.embedding, self.head), optim)
+        self.stage_parts = [PartOptimizer(b.parameters(), optim) for b in self.blocks]
 
     @property
     def step(self) -> int:
@@ -87,12 +106,23 @@ class LocalTrainer:
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, T, vocab]`` for ``input_ids [B, T]`` (with grad when grad mode is on)."""
+        if self.prompts is not None:
+            return self._prompted_logits(input_ids, self.prompts)
         positions = default_position_ids(input_ids)
         hidden = self.embedding.embed(input_ids, positions)
         for k, blocks in enumerate(self.blocks):
             with using(self.adapters[k].deltas() if self.adapters else None):
                 hidden, _ = blocks(hidden, positions)
         return self.head.head(hidden)
+
+    def _prompted_logits(self, input_ids: torch.Tensor, prompts: Prompts) -> torch.Tensor:
+        """The prompts, then the tokens, through the blocks (deep prompts added before each); the tokens' logits."""
+        hidden = prompts.prepend(self.embedding.embed(input_ids, token_positions(input_ids, prompts.count)))
+        positions = default_position_ids(hidden[..., 0])
+        for blocks in self.blocks:
+            deep = None if prompts.deep is None else prompts.deep[blocks.start:blocks.end]
+            hidden = run_blocks(blocks, hidden, positions, deep)
+        return self.head.head(hidden[:, prompts.count:])
 
     def train_step(self, micro_batches: Sequence[torch.Tensor]) -> float:
         """One optimizer step over ``accumulation`` micro-batches ``[b, T + 1]``; returns their mean loss."""

@@ -203,6 +203,10 @@ class TrainOpen(Message):
     # frozen blocks (allowed by ``--adapters``); "" trains the blocks themselves (allowed by ``--trainers``)
     adapter: str = ""
     adapter_seed: int = 0
+    # prompt tuning (``peers.training.prompts``): the blocks stay frozen (no step changes them); with ``deep_prompts``
+    # each forward carries the stage's deep prompts (``TrainForward.prompt_shape``), each backward returns their grad
+    prompts: int = 0
+    deep_prompts: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,6 +252,9 @@ class TrainForward(Message):
     # compression: the codec of the output this request returns to the trainer ("" = the run's setting decides); the
     # trainer sets it under "adaptive", from its own measured link to this peer (the stage has no measure of it)
     reply_codec: str = ""
+    # deep prompts: their shape [blocks, prompts, hidden]; they travel packed after the hidden states' rows
+    # (``peers.training.prompts.pack``), and the backward's reply packs their grad after the input's the same way
+    prompt_shape: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
