@@ -255,7 +255,7 @@ class StreamHandler(StreamCalls):
         if not refusal and self.unserved and not isinstance(request, LinkProbe):
             refusal = self.unserved  # a backup serves no blocks (a moved: refusal)
         if not refusal and isinstance(request, TRAINING_KINDS):
-            refusal = training_refusal(self.training, request, call.caller)  # an operator-allowed trainer?
+            refusal = training_refusal(self.training, request, call.caller, call.stream)  # an allowed trainer?
         if refusal:
             await self.skip_tensor(call)
             return [] if isinstance(request, InferenceClose) else [reply(error=refusal)]

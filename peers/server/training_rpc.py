@@ -66,12 +66,19 @@ def frozen_base(request: TrainOpen) -> bool:
     return bool(request.adapter)
 
 
-def training_refusal(training: TrainingRPC | None, request: object, caller: str) -> str:
+def training_refusal(training: TrainingRPC | None, request: object, caller: str, stream: object = None) -> str:
     """Why peer ``caller`` may not make this training request here ('' if it may). Replicas' pushes are checked
-    against the run's replicas on arrival; a fetch of the current parameters is open to anyone admitted."""
+    against the run's replicas on arrival; a fetch of the current parameters is open to anyone admitted. Runs that
+    change nothing the peer serves (adapters; prompt runs, which are their ``stream``'s own) are allowed by
+    ``--adapters``, runs that train the blocks by ``--trainers``."""
     if training is None:
         return TrainerPolicy().refusal(caller)
     runs = training.adapter_runs
+    run_id = getattr(request, "run_id", "")
+    prompt_run = (isinstance(request, TrainOpen) and request.prompts > 0 and not request.adapter) or (
+        stream is not None and training.prompt_runs.get(run_id, stream) is not None)
+    if prompt_run and runs is not None:
+        return runs.refusal(request, caller)
     if runs is not None and ((isinstance(request, TrainOpen) and frozen_base(request))
                              or runs.get(getattr(request, "run_id", "")) is not None):
         return runs.refusal(request, caller)  # an adapter run: --adapters, and only its own trainer

@@ -173,3 +173,20 @@ def test_swarm_train_cli_trains_an_adapter(lora_run, llama_dir, tmp_path, swarm_
     summary = json.loads(result.stdout.rsplit("summary ", 1)[1].splitlines()[0])
     assert summary["steps_done"] == 3 and summary["held_out_after"] < summary["held_out_before"]
     assert torch.equal(run.other.generate(PROMPT, 12), run.greedy)
+
+
+def test_a_prompt_run_trains_on_peers_with_no_trainers(lora_run, llama_dir):
+    """Prompt tuning changes nothing a peer serves either: ``--adapters`` (default anyone) allows it, not
+    ``--trainers``; its losses equal one process and everyone else's generation is unchanged."""
+    run = lora_run
+    reference = LocalTrainer(llama_dir, OPTIM, 1, stages=[(0, 3), (3, 6), (6, 8)], prompts=4, deep_prompts=True,
+                             seed=SEED)
+    with _client(run.swarm, llama_dir, "prompter") as client:
+        trainer = SwarmTrainer(client, OPTIM, 1, in_flight=1, topology="star", run_id="prompt-run", prompts=4,
+                               deep_prompts=True, prompt_seed=SEED)
+        trainer.start()
+        data = TokenBatches(encode_bytes(TEXT), seq_len=16, micro_batch=2, seed=3)
+        for _ in range(2):
+            micro = [data.next_micro()]
+            assert trainer.train_step(micro).loss == reference.train_step(micro)
+    assert torch.equal(run.other.generate(PROMPT, 12), run.greedy)
