@@ -36,7 +36,8 @@ Reported: each arrangement's tokens/s (the trainer's, after the first step, whic
 figure for the pipelines that have one (configured rates, the compute timed here; each host with its own cores, and
 every host sharing this machine's cores), and the ratios plan/random, plan/least_served, plan/bound. Every namespace
 and process is removed at the end (the ``Testbed`` context manager), also on failure. Prints JSON and writes it to
-``--out`` (not with ``--quick``: three_sites only, 3 steps, a check that it works).
+``--out`` (not with ``--quick``: a check that it works, for tests: three_sites, the ``plan`` arrangement only unless
+``--arrangements`` says otherwise, 2 steps, no churn).
 """
 
 from __future__ import annotations
@@ -411,19 +412,22 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--matrices", default="three_sites,homes", help=f"comma-separated: {', '.join(MATRIX_CHOICES)}")
-    parser.add_argument("--arrangements", default=",".join(ARRANGEMENTS),
-                        help=f"comma-separated: {', '.join(ARRANGEMENTS)}")
-    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 6; quick 3)")
+    parser.add_argument("--arrangements", default=None,
+                        help=f"comma-separated: {', '.join(ARRANGEMENTS)} (default: all; quick: plan)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 6; quick 2)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each arrangement, interleaved")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random arrangement")
     parser.add_argument("--no_churn", dest="churn", action="store_false",
                         help="plan_live on three_sites: no stage kill and newcomer in its last run")
-    parser.add_argument("--quick", action="store_true", help="three_sites only, 3 steps: a check that it works")
+    parser.add_argument("--quick", action="store_true",
+                        help="three_sites, the plan arrangement, 2 steps, no churn: a check that it works")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "plan_testbed.json")
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
     matrices = ["three_sites"] if args.quick else [m for m in args.matrices.split(",") if m]
-    args.arrangements = [a for a in args.arrangements.split(",") if a]
+    chosen = args.arrangements or ("plan" if args.quick else ",".join(ARRANGEMENTS))
+    args.arrangements = [a for a in chosen.split(",") if a]
+    args.churn = args.churn and not args.quick
     if not matrices or any(m not in MATRIX_CHOICES for m in matrices):
         parser.error(f"--matrices: choose from {', '.join(MATRIX_CHOICES)}")
     if not args.arrangements or any(a not in ARRANGEMENTS for a in args.arrangements):
@@ -433,7 +437,7 @@ def main() -> None:
     reason = require_root()
     if reason:
         sys.exit(f"plan_testbed.py needs a testbed: {reason}")
-    args.steps = args.steps or (3 if args.quick else 6)
+    args.steps = args.steps or (2 if args.quick else 6)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="fusionswarm-plan-"))
     model_dir = make_tiny_model(workdir / "llama-plan", seed=0, **MODEL)
     t0 = time.perf_counter()

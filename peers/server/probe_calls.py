@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 WINDOW = 60.0  # seconds the limits count over
 MAX_ROUND_TRIPS = 12  # per caller per window: a probe makes 4 (a warm-up and 3); so a few probes a minute
-MAX_TRANSFERS = 2  # per caller per window: a probe has 1
+MAX_TRANSFERS = 6  # per caller per window: a probe has 1 to 3 (1, 4, 16 MiB; peers.wire.probe)
 MAX_CALLERS = 4096  # callers remembered; the oldest are forgotten beyond this
 
 

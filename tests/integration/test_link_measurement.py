@@ -15,9 +15,10 @@ from peers.cli.launch import LocalSwarm
 from peers.cli.status import print_status
 from peers.client.swarm_client import SwarmClient
 from peers.model import LocalModel, make_tiny_model
+from peers.server.probe_calls import MAX_TRANSFERS
 from peers.wire.errors import RequestError
 from peers.wire.messages import LinkProbe
-from peers.wire.probe import PROBE_BYTES
+from peers.wire.probe import PROBE_LARGEST
 
 
 @pytest.fixture(scope="module")
@@ -96,15 +97,16 @@ def test_bad_probes_are_refused_and_the_peer_keeps_serving(llama_swarm, llama_cl
     def call(message, tensor=None):
         return llama_client.loop.run(stream.call(message, tensor, 30.0, observe=False))
 
-    too_big = torch.zeros(2 * PROBE_BYTES // 4)
+    too_big = torch.zeros((PROBE_LARGEST + (1 << 20)) // 4)
     with pytest.raises(RequestError, match="a probe transfer may carry at most"):
         call(LinkProbe(transfer=True), too_big)
     with pytest.raises(RequestError, match="a transfer probe carries a tensor, a round trip none"):
         call(LinkProbe(), torch.zeros(4))
-    reply, _ = call(LinkProbe(transfer=True), torch.zeros(PROBE_BYTES // 4))  # the second transfer: answered
-    assert reply.compute_ms > 0
-    with pytest.raises(RequestError, match="at most 2 probe transfers per caller per 60 s; try again in"):
-        call(LinkProbe(transfer=True), torch.zeros(PROBE_BYTES // 4))
+    for _ in range(MAX_TRANSFERS - 1):  # the refused one counted
+        reply, _ = call(LinkProbe(transfer=True), torch.zeros(1024))
+        assert reply.compute_ms > 0
+    with pytest.raises(RequestError, match=f"at most {MAX_TRANSFERS} probe transfers per caller per 60 s; try again"):
+        call(LinkProbe(transfer=True), torch.zeros(1024))
     for _ in range(12):
         call(LinkProbe())
     with pytest.raises(RequestError, match="at most 12 probe round trips per caller per 60 s"):

@@ -1,9 +1,10 @@
 """A joining peer's probes on shaped links: its record's bandwidths follow the testbed's rates (issue 11 part 2).
 
 Hosts: h0 bootstrap, h1 peer 0:4, h2 peer 4:8, h3 the joiner 0:8; h3 <-> h1 is shaped to 50 Mbit/s, h3 <-> h2 to
-8 Mbit/s (no latency: this kernel has no netem). One 1 MiB probe per link: on 8 Mbit/s it lasts ~1 s and reads
-94-98% of the wire rate (TCP goodput is ~95%); on 50 Mbit/s it lasts ~170 ms, where TCP's ramp and a loaded CPU
-weigh (56-91% seen), so that link is held to a looser bound and to being clearly the faster one.
+8 Mbit/s (no latency: this kernel has no netem). On 8 Mbit/s the probe's first transfer (1 MiB, ~1 s) is its
+reading: 94-98% of the wire rate (TCP goodput is ~95%). On 50 Mbit/s 1 MiB lasts ~170 ms, where fixed costs and a
+loaded CPU weighed (56-91% seen when it was the reading), so a 4 MiB transfer follows (``peers.wire.probe``) and reads
+84-95% (seen at load averages 2-15 on 2 cores). Both are held to 0.7x-1.05x of the shaped rate.
 """
 
 from __future__ import annotations
@@ -47,5 +48,6 @@ def test_a_joiners_probes_read_the_shaped_rates(llama_dir, tmp_path):
     assert {fast, slow} <= by_peer.keys(), f"the joiner's record lacks its links: {rows}"
     assert all(by_peer[p]["src"] == "probe" and by_peer[p]["rtt"] > 0 for p in (fast, slow))
     slow_bw, fast_bw = by_peer[slow]["bw"], by_peer[fast]["bw"]
+    print(f"probe readings: 8 Mbit/s link {slow_bw / 1e6:.2f} Mbit/s, 50 Mbit/s link {fast_bw / 1e6:.2f} Mbit/s")
     assert 0.7 * 8e6 <= slow_bw <= 1.05 * 8e6, f"8 Mbit/s link read {slow_bw / 1e6:.2f} Mbit/s"
-    assert 2 * slow_bw < fast_bw <= 1.05 * 50e6, f"50 Mbit/s link read {fast_bw / 1e6:.2f} Mbit/s"
+    assert 0.7 * 50e6 <= fast_bw <= 1.05 * 50e6, f"50 Mbit/s link read {fast_bw / 1e6:.2f} Mbit/s"
