@@ -91,8 +91,11 @@ def train(model_dir: Path, config: Config, staleness: int, setup: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 steps, one configuration")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: runs on a shared machine "
+                        "crawl when threads spin on a busy core)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "staleness_study.json")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     spec = QUICK_MODEL if args.quick else MODEL
     setup = {"layers": spec["num_layers"], "seq_len": 32 if args.quick else SEQ_LEN,
              "micro_batch": 2 if args.quick else MICRO_BATCH, "accumulation": 2 if args.quick else ACCUMULATION,
@@ -115,7 +118,7 @@ def main() -> None:
                          "train_curve_staleness_0": runs[0]["train_loss_every_5_steps"],
                          "train_curve_staleness_1": runs[1]["train_loss_every_5_steps"]})
     result = {"benchmark": "staleness_study", "quick": args.quick, "model": {**spec, "dtype": "float32"},
-              "setup": setup, "seed": SEED, "runs": rows, "seconds": round(time.perf_counter() - t0, 1)}
+              "setup": setup, "seed": SEED, "torch_threads": args.threads, "runs": rows, "seconds": round(time.perf_counter() - t0, 1)}
     report(result, args.out, write=not args.quick)
 
 
