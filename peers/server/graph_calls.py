@@ -105,7 +105,7 @@ class GraphCalls(StreamCalls):
 
     async def apply(self, request: GraphApply, call: Call) -> Responses:
         try:
-            step = self.serving.apply(request.run_id, request.micro_batches, call.caller)
+            step = await self.serving.apply(request.run_id, request.micro_batches, call.caller)
         except (RequestError, ValueError) as e:
             return self._refused(request, call, e)
         return [runtime_pb2.ExpertResponse(metadata=InferenceReply(step=step).to_bytes())]

@@ -67,6 +67,11 @@ class GraphServing:
         self._lock = asyncio.Lock()  # one computation at a time, in arrival order
         self.grad_inputs = tuple(s for s in stage.inputs if s.dtype.is_floating_point)
         self.grad_outputs = tuple(s for s in stage.outputs if s.dtype.is_floating_point)
+        # the first optimizer of a process imports much of torch (seconds): here, not on the event loop at an open,
+        # where it would starve the stream's heartbeats
+        warm = torch.zeros(1, requires_grad=True)
+        warm.grad = torch.zeros(1)
+        torch.optim.AdamW([warm]).step()
 
     # ---- checks -----------------------------------------------------------------------------------
     def check_graph(self, arch: str, graph_hash: str, start: int | None = None, end: int | None = None) -> None:
@@ -147,7 +152,7 @@ class GraphServing:
         run.accumulated += 1
         return out
 
-    def apply(self, run_id: str, micro_batches: int, caller: str) -> int:
+    async def apply(self, run_id: str, micro_batches: int, caller: str) -> int:
         run = self.run_of(run_id, caller)
         if micro_batches != run.accumulated or run.kept:
             got, pending = run.accumulated, len(run.kept)
@@ -156,9 +161,8 @@ class GraphServing:
                                f"{got} backwarded and {pending} not; the step's gradients were dropped")
         if micro_batches < 1:
             raise RequestError("a step needs at least one micro-batch")
-        if run.optimizer is not None:
-            run.optimizer.step()
-        self.stage.zero_grad(set_to_none=True)
+        async with self._lock:
+            await asyncio.to_thread(self._step, run)
         run.accumulated, run.step = 0, run.step + 1
         return run.step
 
@@ -182,6 +186,11 @@ class GraphServing:
     def _train_forward(self, inputs: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Saved]:
         self.stage.train()
         return train_forward(self.stage, inputs)
+
+    def _step(self, run: GraphRun) -> None:
+        if run.optimizer is not None:
+            run.optimizer.step()
+        self.stage.zero_grad(set_to_none=True)
 
     def _drop(self, run: GraphRun) -> None:
         run.kept.clear()
