@@ -14,7 +14,7 @@ def add_graph_flags(peer: argparse.ArgumentParser) -> None:
     group = peer.add_argument_group("operator graphs (instead of MODEL and --block_indices)")
     group.add_argument("--graph", default=None, metavar="ARCH",
                        help="serve a stage of a registered architecture's operator graph (resnet18..152, gpt2, llama, "
-                            "gpt2-blocks, llama-blocks), traced here")
+                            "gpt2-blocks, llama-blocks), traced here (default: none, serve MODEL's blocks)")
     group.add_argument("--graph_config", type=key_values, default={}, metavar="JSON|K=V,...",
                        help="the architecture's config, e.g. num_classes=10 (default: its defaults)")
     group.add_argument("--graph_inputs", type=key_values, default={}, metavar="JSON|K=V,...",
@@ -24,9 +24,11 @@ def add_graph_flags(peer: argparse.ArgumentParser) -> None:
                             "random init from --graph_seed")
     group.add_argument("--graph_seed", type=int, default=0, help="seed of the random init (default 0)")
     group.add_argument("--graph_nodes", type=node_range, default=None, metavar="A:B",
-                       help="serve nodes A:B of the graph's topological order")
+                       help="serve nodes A:B of the graph's topological order (required with --graph: this or "
+                            "--graph_stage)")
     group.add_argument("--graph_stage", type=stage_index, default=None, metavar="I/N",
-                       help="serve stage I of N (0-based), cut by --graph_split")
+                       help="serve stage I of N (0-based), cut by --graph_split (required with --graph: this or "
+                            "--graph_nodes)")
     group.add_argument("--graph_split", choices=("plan", "equal"), default="plan",
                        help="how --graph_stage cuts: the planner's cut (counted FLOPs and bytes) or an equal split by "
                             "node count (default: plan)")
