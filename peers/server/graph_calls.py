@@ -25,6 +25,7 @@ from peers.wire.messages import (
     GraphBackward,
     GraphFetch,
     GraphForward,
+    GraphGrads,
     GraphOpen,
     InferenceReply,
     StageInfo,
@@ -34,7 +35,7 @@ from privacy.peer_ids import short_id
 
 logger = logging.getLogger(__name__)
 
-GRAPH_KINDS = (GraphOpen, GraphForward, GraphBackward, GraphApply, GraphFetch)
+GRAPH_KINDS = (GraphOpen, GraphForward, GraphBackward, GraphApply, GraphFetch, GraphGrads)
 
 
 def bundle_reply(tensors: Mapping[str, torch.Tensor], specs: Sequence[EdgeSpec], graph_hash: str,
@@ -53,7 +54,7 @@ class GraphCalls(StreamCalls):
 
     def handlers(self) -> dict[type, object]:
         return {GraphOpen: self.open, GraphForward: self.forward, GraphBackward: self.backward,
-                GraphApply: self.apply, GraphFetch: self.fetch}
+                GraphApply: self.apply, GraphFetch: self.fetch, GraphGrads: self.grads}
 
     async def read_bundle(self, call: Call, specs: Sequence[EdgeSpec]) -> dict[str, torch.Tensor]:
         """The bundle following the request, checked against ``specs`` and this peer's graph hash."""
@@ -105,10 +106,26 @@ class GraphCalls(StreamCalls):
 
     async def apply(self, request: GraphApply, call: Call) -> Responses:
         try:
-            step = await self.serving.apply(request.run_id, request.micro_batches, call.caller)
+            shared = None
+            if request.shared:
+                try:
+                    specs = self.serving.shared_specs(list(request.shared))
+                except RequestError:
+                    await self.read_bundle(call, ())  # read it whole first: the stream stays in step
+                    raise
+                shared = await self.read_bundle(call, specs)
+            step = await self.serving.apply(request.run_id, request.micro_batches, call.caller, shared)
         except (RequestError, ValueError) as e:
             return self._refused(request, call, e)
         return [runtime_pb2.ExpertResponse(metadata=InferenceReply(step=step).to_bytes())]
+
+    async def grads(self, request: GraphGrads, call: Call) -> Responses:
+        try:
+            tensors = self.serving.shared_grads(request.run_id, list(request.names), call.caller)
+            specs = self.serving.shared_specs(list(request.names))
+        except (RequestError, ValueError) as e:
+            return self._refused(request, call, e)
+        return bundle_reply(tensors, specs, self.serving.graph_hash, InferenceReply(), call)
 
     async def fetch(self, request: GraphFetch, call: Call) -> Responses:
         try:
@@ -144,7 +161,7 @@ class GraphStreamHandler(StreamHandler):
             request = unpack_inference(call.message.metadata)
         except ValueError:
             return
-        if isinstance(request, GRAPH_BUNDLE_KINDS):
+        if isinstance(request, GRAPH_BUNDLE_KINDS) or (isinstance(request, GraphApply) and request.shared):
             try:
                 async with deadline(self.request_timeout):
                     await read_edge_messages(call.requests, (), "", self.info.max_request_bytes)

@@ -147,13 +147,41 @@ class GraphServing:
         saved = run.kept.pop(micro_id, None)
         if saved is None:
             raise RequestError(f"no forward of micro-batch {micro_id[:64]!r} is kept here")
+        grads = {k: v for k, v in grads.items() if saved.outputs[k].requires_grad}  # (a mask made of constants)
         async with self._lock:
             out = await asyncio.to_thread(train_backward, self.stage, saved, grads)
         run.accumulated += 1
-        return out
+        # every floating-point input gets one (zeros where it reached nothing differentiable): the bundle is complete
+        return {s.name: out[s.name] if s.name in out else torch.zeros(s.shape, dtype=s.dtype)
+                for s in self.grad_inputs}
 
-    async def apply(self, run_id: str, micro_batches: int, caller: str) -> int:
+    def shared_grads(self, run_id: str, names: list[str], caller: str) -> dict[str, torch.Tensor]:
+        """This step's gradients of parameters ``names`` (zeros for one that got none)."""
+        self.run_of(run_id, caller)
+        params = dict(self.stage.module.named_parameters())
+        unknown = sorted(set(names) - set(params))
+        if unknown:
+            raise RequestError(f"this stage holds no parameters {unknown[:5]}")
+        return {n: params[n].grad.detach() if params[n].grad is not None else torch.zeros_like(params[n])
+                for n in names}
+
+    def shared_specs(self, names: list[str]) -> tuple[EdgeSpec, ...]:
+        params = dict(self.stage.module.named_parameters())
+        unknown = sorted(set(names) - set(params))
+        if unknown:
+            raise RequestError(f"this stage holds no parameters {unknown[:5]}")
+        return tuple(EdgeSpec(n, tuple(params[n].shape), params[n].dtype) for n in names)
+
+    async def apply(self, run_id: str, micro_batches: int, caller: str,
+                    shared: Mapping[str, torch.Tensor] | None = None) -> int:
+        """Commit the step; ``shared``: the summed gradients of parameters tied with another stage's, which replace
+        this stage's own (finite, checked before anything changes)."""
         run = self.run_of(run_id, caller)
+        for name, grad in (shared or {}).items():
+            if not torch.isfinite(grad).all():
+                self._drop(run)
+                raise RequestError(f"the shared gradient of {name!r} holds NaN or infinite values; the step was "
+                                   f"dropped")
         if micro_batches != run.accumulated or run.kept:
             got, pending = run.accumulated, len(run.kept)
             self._drop(run)
@@ -161,6 +189,9 @@ class GraphServing:
                                f"{got} backwarded and {pending} not; the step's gradients were dropped")
         if micro_batches < 1:
             raise RequestError("a step needs at least one micro-batch")
+        params = dict(self.stage.module.named_parameters())
+        for name, grad in (shared or {}).items():
+            params[name].grad = grad.clone()
         async with self._lock:
             await asyncio.to_thread(self._step, run)
         run.accumulated, run.step = 0, run.step + 1

@@ -26,11 +26,12 @@ from peers.core.access import load_admission, load_identity
 from peers.core.aio import BackgroundLoop
 from peers.core.config import SwarmConfig
 from peers.model.graph.hashing import graph_hash
-from peers.model.graph.stage import GraphStage
+from peers.model.graph.registry import get_architecture
+from peers.model.graph.stage import GraphStage, shared_parameters
 from peers.model.graph.swarm_graph import GraphSpec, swarm_model_name
 from peers.model.graph.trace import EdgeSpec, OpGraph
 from peers.wire.links import PeerLinks
-from peers.wire.messages import GraphApply, GraphBackward, GraphFetch, GraphForward, GraphOpen
+from peers.wire.messages import GraphApply, GraphBackward, GraphFetch, GraphForward, GraphGrads, GraphOpen
 from peers.wire.stream import LIVENESS_TIMEOUT, PeerStream
 from swarm.discovery import fetch_records, start_node
 from swarm.records import PeerRecord, PeerState
@@ -91,6 +92,8 @@ class GraphTrainer:
         self.graph_hash = graph_hash(self.graph)
         self.model_name = swarm_model_name(self.graph, self.graph_hash)
         self.input_name, self.output_name = self.graph.inputs[0], self.graph.outputs[0]
+        self.kind = get_architecture(spec.arch).kind
+        self.shared: list[dict[int, str]] = []
         self.stages: list[GraphStagePeer] = []
         self.step = 0
         self.identity = load_identity(swarm)
@@ -170,6 +173,7 @@ class GraphTrainer:
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.5)
+        self.shared = shared_parameters(self.graph, [s for _, s, _ in chain[1:]])  # tied weights across stages
         self.stages = [GraphStagePeer(peer, a, b, self.graph.specs(self.graph.crossing(a)),
                                       self.graph.specs(self.graph.crossing(b))) for peer, a, b in chain]
         logger.info("Graph %s: stages %s", self.model_name, " ".join(f"{s.start}:{s.end}" for s in self.stages))
@@ -220,7 +224,7 @@ class GraphTrainer:
                     assert out is not None
                     acts = out
                 logits = acts[self.output_name].requires_grad_()
-                ce = F.cross_entropy(logits, y)
+                ce = self.loss(logits, y)
                 (ce / m).backward()
                 assert logits.grad is not None
                 grads: dict[str, torch.Tensor] = {self.output_name: logits.grad}
@@ -244,10 +248,48 @@ class GraphTrainer:
             for task in tasks:
                 task.cancel()
             raise
-        replies = await asyncio.gather(*(stream.call(GraphApply(run_id=self.run_id, micro_batches=m), None,
-                                                     self.timeout) for stream in streams))
+        payloads = await self._shared_grads(streams)
+        replies = await asyncio.gather(*(
+            stream.submit_bundle(GraphApply(run_id=self.run_id, micro_batches=m, shared=list(payload)), payload,
+                                 self._param_specs(list(payload)), (), self.graph_hash, self.timeout)
+            if payload else stream.call(GraphApply(run_id=self.run_id, micro_batches=m), None, self.timeout)
+            for stream, payload in zip(streams, payloads, strict=True)))
         self.step = max(reply.step for reply, _ in replies)
         return list(losses)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy: of the classes (vision), or of each next token (a causal LM; ``targets``: the input ids)."""
+        if self.kind == "causal_lm":
+            return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets[:, 1:].reshape(-1))
+        return F.cross_entropy(logits, targets)
+
+    def _param_specs(self, names: list[str]) -> tuple[EdgeSpec, ...]:
+        params = dict(self.graph.gm.named_parameters(remove_duplicate=False))
+        return tuple(EdgeSpec(n, tuple(params[n].shape), params[n].dtype) for n in names)
+
+    async def _shared_grads(self, streams: list[PeerStream]) -> list[dict[str, torch.Tensor]]:
+        """For each stage, the summed gradients of the parameters it shares with others (added from the last stage
+        to the first, as one process's backward adds them), to commit with the step; empty if it shares none."""
+        payloads: list[dict[str, torch.Tensor]] = [{} for _ in streams]
+        if not self.shared:
+            return payloads
+        held: dict[int, list[str]] = {}
+        for names in self.shared:
+            for i, name in names.items():
+                held.setdefault(i, []).append(name)
+        fetched: dict[int, dict[str, torch.Tensor]] = {}
+        for i, names_i in held.items():
+            _, got = await streams[i].submit_bundle(GraphGrads(run_id=self.run_id, names=names_i), None, (),
+                                                    self._param_specs(names_i), self.graph_hash, self.timeout)
+            fetched[i] = got or {}
+        for names in self.shared:
+            order = sorted(names.items(), reverse=True)
+            total = fetched[order[0][0]][order[0][1]].clone()
+            for i, name in order[1:]:
+                total += fetched[i][name]
+            for i, name in names.items():
+                payloads[i][name] = total
+        return payloads
 
     async def _fetch_state(self) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = {}

@@ -341,6 +341,17 @@ class GraphApply(Message):
 
     run_id: str
     micro_batches: int
+    # parameters this stage shares with another (a tied weight: GPT-2's wte and lm_head): a bundle of their summed
+    # gradients, named so, follows; they replace the stage's own before the step
+    shared: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphGrads(Message):
+    """The gradients accumulated in this step for parameters ``names`` (shared with another stage), as a bundle."""
+
+    run_id: str
+    names: list[str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,7 +397,7 @@ INFERENCE_KINDS: dict[str, type[Message]] = {
     "push": InferencePush, "relink": InferenceRelink, "replay": InferenceReplay, "train_push": TrainPush,
     "train_fetch": TrainFetch, "adapter_load": AdapterLoad,
     "graph_open": GraphOpen, "graph_forward": GraphForward, "graph_backward": GraphBackward,
-    "graph_apply": GraphApply, "graph_fetch": GraphFetch,
+    "graph_apply": GraphApply, "graph_fetch": GraphFetch, "graph_grads": GraphGrads,
 }
 GRAPH_BUNDLE_KINDS = (GraphForward, GraphBackward)  # requests followed by an edge bundle (``peers.wire.edges``)
 
