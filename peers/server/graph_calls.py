@@ -69,7 +69,7 @@ class GraphCalls(StreamCalls):
     async def open(self, request: GraphOpen, call: Call) -> Responses:
         try:
             self.serving.check_graph(request.arch, request.graph_hash, request.start, request.end)
-            step = self.serving.open(request.run_id, request.optim, call.caller)
+            step = self.serving.open(request.run_id, request.optim, call.caller, list(request.shared))
         except (RequestError, ValueError) as e:
             return self._refused(request, call, e)
         return [runtime_pb2.ExpertResponse(metadata=InferenceReply(step=step).to_bytes())]
@@ -121,10 +121,11 @@ class GraphCalls(StreamCalls):
 
     async def grads(self, request: GraphGrads, call: Call) -> Responses:
         try:
-            tensors = self.serving.shared_grads(request.run_id, list(request.names), call.caller)
-            specs = self.serving.shared_specs(list(request.names))
+            tensors, specs = self.serving.shared_grads(request.run_id, call.caller)
         except (RequestError, ValueError) as e:
             return self._refused(request, call, e)
+        if not specs:
+            return [runtime_pb2.ExpertResponse(metadata=InferenceReply().to_bytes())]
         return bundle_reply(tensors, specs, self.serving.graph_hash, InferenceReply(), call)
 
     async def fetch(self, request: GraphFetch, call: Call) -> Responses:

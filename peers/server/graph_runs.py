@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,8 @@ class GraphRun:
     optimizer: torch.optim.Optimizer | None  # None: a stage without parameters (a pooling, a reshape)
     kept: dict[str, Saved] = field(default_factory=dict)  # forwarded, not yet backwarded
     accumulated: int = 0  # backwards since the last step
+    shared: tuple[str, ...] = ()  # parameters tied with another stage's: their gradient per micro-batch, kept apart
+    parts: list[dict[str, torch.Tensor]] = field(default_factory=list)  # this step's, in backward order
     step: int = 0
 
 
@@ -105,14 +107,17 @@ class GraphServing:
         return run
 
     # ---- requests ---------------------------------------------------------------------------------
-    def open(self, run_id: str, optim: Mapping[str, Any], caller: str) -> int:
+    def open(self, run_id: str, optim: Mapping[str, Any], caller: str, shared: Sequence[str] = ()) -> int:
         """Open (or re-open: its optimizer and step are kept) ``run_id``; another run open here is closed."""
         self.check_trainer(caller)
         settings = adamw_settings(optim)
+        self.shared_specs(list(shared))  # parameters of this stage
         if not 0 < len(run_id) <= 128:
             raise RequestError("a run id is 1 to 128 characters")
         run = self.run
         if run is not None and run.run_id == run_id and run.trainer == caller:
+            run.shared = tuple(shared)
+            run.parts.clear()
             run.kept.clear()
             run.accumulated = 0
             self.stage.zero_grad(set_to_none=True)
@@ -122,7 +127,7 @@ class GraphServing:
         self.stage.zero_grad(set_to_none=True)
         params = list(self.stage.parameters())
         optimizer = torch.optim.AdamW(params, **settings) if params else None
-        self.run = GraphRun(run_id, caller, optimizer)
+        self.run = GraphRun(run_id, caller, optimizer, shared=tuple(shared))
         logger.info("Graph run %r of %s opened on nodes %d:%d", run_id, caller[-8:], self.start, self.end)
         return 0
 
@@ -148,22 +153,27 @@ class GraphServing:
         if saved is None:
             raise RequestError(f"no forward of micro-batch {micro_id[:64]!r} is kept here")
         grads = {k: v for k, v in grads.items() if saved.outputs[k].requires_grad}  # (a mask made of constants)
+        params = dict(self.stage.module.named_parameters())
         async with self._lock:
+            for name in run.shared:  # this micro-batch's part alone
+                params[name].grad = None
             out = await asyncio.to_thread(train_backward, self.stage, saved, grads)
+            run.parts.append({n: params[n].grad if params[n].grad is not None else torch.zeros_like(params[n])
+                              for n in run.shared})
+            for name in run.shared:
+                params[name].grad = None
         run.accumulated += 1
         # every floating-point input gets one (zeros where it reached nothing differentiable): the bundle is complete
         return {s.name: out[s.name] if s.name in out else torch.zeros(s.shape, dtype=s.dtype)
                 for s in self.grad_inputs}
 
-    def shared_grads(self, run_id: str, names: list[str], caller: str) -> dict[str, torch.Tensor]:
-        """This step's gradients of parameters ``names`` (zeros for one that got none)."""
-        self.run_of(run_id, caller)
-        params = dict(self.stage.module.named_parameters())
-        unknown = sorted(set(names) - set(params))
-        if unknown:
-            raise RequestError(f"this stage holds no parameters {unknown[:5]}")
-        return {n: params[n].grad.detach() if params[n].grad is not None else torch.zeros_like(params[n])
-                for n in names}
+    def shared_grads(self, run_id: str, caller: str) -> tuple[dict[str, torch.Tensor], tuple[EdgeSpec, ...]]:
+        """This step's gradients of the run's shared parameters, per micro-batch (``NAME#I``), and their specs."""
+        run = self.run_of(run_id, caller)
+        specs = self.shared_specs(list(run.shared))
+        tensors = {f"{n}#{i}": part[n] for i, part in enumerate(run.parts) for n in run.shared}
+        return tensors, tuple(EdgeSpec(f"{s.name}#{i}", s.shape, s.dtype) for i in range(len(run.parts))
+                              for s in specs)
 
     def shared_specs(self, names: list[str]) -> tuple[EdgeSpec, ...]:
         params = dict(self.stage.module.named_parameters())
@@ -189,6 +199,10 @@ class GraphServing:
                                f"{got} backwarded and {pending} not; the step's gradients were dropped")
         if micro_batches < 1:
             raise RequestError("a step needs at least one micro-batch")
+        if set(shared or {}) != set(run.shared):
+            self._drop(run)
+            raise RequestError(f"step refused: this run shares parameters {list(run.shared)}, the apply carries "
+                               f"{sorted(shared or {})}; the step's gradients were dropped")
         params = dict(self.stage.module.named_parameters())
         for name, grad in (shared or {}).items():
             params[name].grad = grad.clone()
@@ -222,8 +236,10 @@ class GraphServing:
         if run.optimizer is not None:
             run.optimizer.step()
         self.stage.zero_grad(set_to_none=True)
+        run.parts.clear()
 
     def _drop(self, run: GraphRun) -> None:
+        run.parts.clear()
         run.kept.clear()
         run.accumulated = 0
         self.stage.zero_grad(set_to_none=True)

@@ -183,8 +183,9 @@ class GraphTrainer:
         streams = [await self.links.get(s.peer_id) for s in self.stages]
         replies = await asyncio.gather(*(
             stream.call(GraphOpen(run_id=self.run_id, arch=self.graph.arch, graph_hash=self.graph_hash,
-                                  start=s.start, end=s.end, optim=self.optim), None, self.timeout)
-            for s, stream in zip(self.stages, streams, strict=True)))
+                                  start=s.start, end=s.end, optim=self.optim, shared=self._held().get(i, [])),
+                        None, self.timeout)
+            for i, (s, stream) in enumerate(zip(self.stages, streams, strict=True))))
         steps = {reply.step for reply, _ in replies}
         if len(steps) != 1:
             raise RuntimeError(f"the stages of run {self.run_id!r} are at different steps {sorted(steps)}: restart "
@@ -248,7 +249,7 @@ class GraphTrainer:
             for task in tasks:
                 task.cancel()
             raise
-        payloads = await self._shared_grads(streams)
+        payloads = await self._shared_grads(streams, m)
         replies = await asyncio.gather(*(
             stream.submit_bundle(GraphApply(run_id=self.run_id, micro_batches=m, shared=list(payload)), payload,
                                  self._param_specs(list(payload)), (), self.graph_hash, self.timeout)
@@ -267,27 +268,36 @@ class GraphTrainer:
         params = dict(self.graph.gm.named_parameters(remove_duplicate=False))
         return tuple(EdgeSpec(n, tuple(params[n].shape), params[n].dtype) for n in names)
 
-    async def _shared_grads(self, streams: list[PeerStream]) -> list[dict[str, torch.Tensor]]:
-        """For each stage, the summed gradients of the parameters it shares with others (added from the last stage
-        to the first, as one process's backward adds them), to commit with the step; empty if it shares none."""
-        payloads: list[dict[str, torch.Tensor]] = [{} for _ in streams]
-        if not self.shared:
-            return payloads
+    def _held(self) -> dict[int, list[str]]:
+        """Stage -> the names under which it holds parameters shared with other stages."""
         held: dict[int, list[str]] = {}
         for names in self.shared:
             for i, name in names.items():
                 held.setdefault(i, []).append(name)
-        fetched: dict[int, dict[str, torch.Tensor]] = {}
+        return held
+
+    async def _shared_grads(self, streams: list[PeerStream], m: int) -> list[dict[str, torch.Tensor]]:
+        """For each stage, the step's gradients of the parameters it shares with others: per micro-batch, the
+        holders' parts added from the last stage to the first (as one process's backward adds the uses), then the
+        micro-batches' sums in order (as its accumulation does); empty for a stage that shares none."""
+        payloads: list[dict[str, torch.Tensor]] = [{} for _ in streams]
+        held = self._held()
+        parts: dict[int, dict[str, torch.Tensor]] = {}
         for i, names_i in held.items():
-            _, got = await streams[i].submit_bundle(GraphGrads(run_id=self.run_id, names=names_i), None, (),
-                                                    self._param_specs(names_i), self.graph_hash, self.timeout)
-            fetched[i] = got or {}
+            specs = [EdgeSpec(f"{s.name}#{k}", s.shape, s.dtype) for k in range(m) for s in self._param_specs(names_i)]
+            _, got = await streams[i].submit_bundle(GraphGrads(run_id=self.run_id, names=names_i), None, (), specs,
+                                                    self.graph_hash, self.timeout)
+            parts[i] = got or {}
         for names in self.shared:
             order = sorted(names.items(), reverse=True)
-            total = fetched[order[0][0]][order[0][1]].clone()
-            for i, name in order[1:]:
-                total += fetched[i][name]
+            total: torch.Tensor | None = None
+            for k in range(m):
+                part = parts[order[0][0]][f"{order[0][1]}#{k}"].clone()
+                for i, name in order[1:]:
+                    part += parts[i][f"{name}#{k}"]
+                total = part if total is None else total + part
             for i, name in names.items():
+                assert total is not None
                 payloads[i][name] = total
         return payloads
 

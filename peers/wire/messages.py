@@ -307,6 +307,9 @@ class GraphOpen(Message):
     start: int
     end: int
     optim: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # parameters this stage shares with another (a tied weight): each micro-batch's gradient of them is kept apart
+    # (``GraphGrads``), so that the trainer adds the holders' parts in one process's order
+    shared: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,13 +345,14 @@ class GraphApply(Message):
     run_id: str
     micro_batches: int
     # parameters this stage shares with another (a tied weight: GPT-2's wte and lm_head): a bundle of their summed
-    # gradients, named so, follows; they replace the stage's own before the step
+    # gradients, named so, follows; they are the step's gradients of them
     shared: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
 class GraphGrads(Message):
-    """The gradients accumulated in this step for parameters ``names`` (shared with another stage), as a bundle."""
+    """This step's gradients of the run's shared parameters ``names``, one per micro-batch in backward order, as a
+    bundle named ``NAME#I``."""
 
     run_id: str
     names: list[str]
