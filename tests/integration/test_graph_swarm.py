@@ -53,9 +53,10 @@ def one_thread() -> Iterator[None]:
 
 
 def _reference(trainer: GraphTrainer) -> torch.nn.Module:
-    """One process holding exactly what the peers hold now."""
+    """One process holding exactly what the peers hold now (a tied weight's alias is loaded through its twin)."""
     model = copy.deepcopy(trainer.graph.gm)
-    model.load_state_dict(trainer.fetch_state())
+    missing, unexpected = model.load_state_dict(trainer.fetch_state(), strict=False)
+    assert not unexpected and set(missing) <= {"model.transformer.wte.weight"}
     return model
 
 
@@ -133,3 +134,47 @@ def test_bad_requests_are_refused_and_change_nothing(graph_swarm, swarm_cli):
     refused = swarm_cli("peer", "--graph", "resnet9000", "--graph_nodes", "0:3", "--initial_peers",
                         *swarm.initial_peers)
     assert refused.returncode == 2 and "unknown architecture 'resnet9000'" in refused.stderr
+
+
+@pytest.fixture(scope="module")
+def gpt2_swarm(gpt2_dir, tmp_path_factory) -> Iterator[GraphTrainer]:
+    """transformers' GPT-2 (the tiny one, traced from its own code by ``torch.export``) in 3 equal stages: its tied
+    ``wte``/``lm_head`` is held by the first and the last."""
+    spec = GraphSpec("gpt2", {}, {"batch": 2, "seq_len": 8}, gpt2_dir)
+    flags = ["--graph_inputs", "batch=2,seq_len=8", "--weights", str(gpt2_dir), "--graph_split", "equal"]
+    with LocalSwarm(tmp_path_factory.mktemp("gpt2_graph_swarm"), update_period=2.0, train=True) as swarm:
+        swarm.start_dht()
+        procs = [swarm.start_graph_peer("gpt2", stage=f"{i}/3", extra=flags, wait=False, name=f"gpt2-{i}")
+                 for i in range(3)]
+        for proc in procs:
+            swarm.wait_graph_ready(proc)
+        with GraphTrainer(spec, swarm.trainer_config(), optim=OPTIM, run_id="gpt2-equivalence", in_flight=2,
+                          request_timeout=30) as trainer:
+            trainer.start()
+            yield trainer
+
+
+def test_gpt2_trains_like_one_process(gpt2_swarm, one_thread):
+    """Logits, 5 steps' losses (2 micro-batches each, in flight) and every weight equal one process bit for bit; the
+    tied weight's parts are added per micro-batch in one process's order."""
+    trainer = gpt2_swarm
+    assert [sorted(names) for names in trainer.shared] == [[0, 2]]
+    reference = _reference(trainer)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 259, (2, 8), generator=gen)
+    assert torch.equal(trainer.forward(ids), reference(ids))
+    optimizer = torch.optim.AdamW(reference.parameters(), **OPTIM)  # type: ignore[arg-type]
+    for _ in range(5):
+        micro = [(x, x) for x in (torch.randint(0, 259, (2, 8), generator=gen) for _ in range(2))]
+        losses = trainer.train_step(micro)
+        expected = []
+        for x, _ in micro:
+            loss = trainer.loss(reference(x), x)
+            (loss / len(micro)).backward()
+            expected.append(loss.detach())
+        optimizer.step()
+        optimizer.zero_grad()
+        assert all(torch.equal(a, b) for a, b in zip(losses, expected, strict=True)), (losses, expected)
+    state, reference_state = trainer.fetch_state(), reference.state_dict()
+    assert all(torch.equal(v, reference_state[k]) for k, v in state.items())
+    assert set(reference_state) - set(state) == {"model.transformer.wte.weight"}  # the tied alias of lm_head
