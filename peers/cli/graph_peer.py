@@ -83,6 +83,10 @@ def run_graph_peer(args: argparse.Namespace, swarm, run_until_signal) -> int:
     if args.model_dir is not None or args.block_indices is not None or args.num_blocks is not None or args.backup:
         raise ValueError("--graph serves a stage of an operator graph: drop MODEL and --block_indices/--num_blocks/"
                          "--backup, and give --graph_nodes A:B or --graph_stage I/N")
+    unsupported = [flag for flag, given in (("--checkpoint_dir", args.checkpoint_dir), ("--control_socket",
+                   args.control_socket), ("--organise", args.organise), ("--metrics_port", args.metrics_port)) if given]
+    if unsupported:
+        raise ValueError(f"{', '.join(unsupported)} not supported with --graph yet: drop them")
     spec = GraphSpec(args.graph, dict(args.graph_config), dict(args.graph_inputs), args.weights, args.graph_seed)
     config = GraphServerConfig(spec=spec, swarm=swarm, nodes=args.graph_nodes, stage=args.graph_stage,
                                split=args.graph_split, trainers=parse_trainers(args.trainers),

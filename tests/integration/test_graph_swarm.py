@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from peers.cli.launch import LocalSwarm
+from peers.core.config import SwarmConfig
 from peers.model.graph.swarm_graph import GraphSpec
 from peers.model.graph.trace import EdgeSpec
 from peers.trainer.graph_trainer import GraphTrainer
@@ -134,6 +135,10 @@ def test_bad_requests_are_refused_and_change_nothing(graph_swarm, swarm_cli):
     refused = swarm_cli("peer", "--graph", "resnet9000", "--graph_nodes", "0:3", "--initial_peers",
                         *swarm.initial_peers)
     assert refused.returncode == 2 and "unknown architecture 'resnet9000'" in refused.stderr
+    with GraphTrainer(SPEC, SwarmConfig(initial_peers=tuple(swarm.initial_peers)), run_id="stranger") as stranger:
+        with pytest.raises(RequestError, match="not allowed to train here: this peer trains for trainer"):
+            stranger.start()  # a fresh identity, which the peers' --trainers does not name
+        assert torch.equal(stranger.forward(x["x"]), trainer.forward(x["x"]))  # inference is open to anyone admitted
 
 
 @pytest.fixture(scope="module")
