@@ -12,6 +12,7 @@ from pathlib import Path
 from peers.cli.api import add_api_command
 from peers.cli.chat import add_chat_command
 from peers.cli.export import add_export_command
+from peers.cli.graph_peer import add_graph_flags, run_graph_peer
 from peers.cli.membership import add_membership_commands
 from peers.cli.new_model import add_model_command
 from peers.cli.options import (
@@ -68,9 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     dht.set_defaults(func=_cmd_dht)
 
     peer = sub.add_parser("peer", help="host some blocks of a model and serve them to the swarm")
-    peer.add_argument("model_dir", metavar="MODEL", help=MODEL_HELP)
+    peer.add_argument("model_dir", metavar="MODEL", nargs="?", default=None, help=MODEL_HELP)
     swarm_flags(peer, joining=True, role="peer")
-    blocks = peer.add_mutually_exclusive_group(required=True)
+    blocks = peer.add_mutually_exclusive_group()
     blocks.add_argument("--block_indices", type=block_indices,
                         help="serve blocks START:END, e.g. 0:4 (required: this, --num_blocks or --backup)")
     blocks.add_argument("--num_blocks", type=int,
@@ -128,6 +129,7 @@ def _parser() -> argparse.ArgumentParser:
     peer.add_argument("--checkpoint_dir", type=Path, default=None,
                       help="training: save our blocks' weights + AdamW state here, and resume from them (default: "
                            "not saved)")
+    add_graph_flags(peer)  # swarm peer --graph ARCH: a stage of an operator graph (issue 18)
     peer.set_defaults(func=_cmd_peer)
 
     move = sub.add_parser("move", help="move a running peer on this machine to other blocks, or make it a backup "
@@ -231,6 +233,11 @@ def _cmd_dht(args: argparse.Namespace) -> int:
 def _cmd_peer(args: argparse.Namespace) -> int:
     from peers.server.stage_server import StageServer
 
+    if args.graph is not None:
+        return run_graph_peer(args, swarm_config(args), _run_until_signal)
+    if args.model_dir is None or (args.block_indices is None and args.num_blocks is None and not args.backup):
+        raise ValueError("swarm peer needs MODEL and one of --block_indices, --num_blocks or --backup (or --graph "
+                         "ARCH with --graph_nodes/--graph_stage for an operator graph)")
     if args.no_train and args.trainers:
         raise ValueError("--no_train and --trainers contradict each other: drop --no_train (training is off "
                          "unless --trainers is given)")

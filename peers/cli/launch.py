@@ -26,6 +26,7 @@ from privacy.membership import SwarmOwner
 from privacy.peer_ids import peer_id_of
 
 READY_PEER = re.compile(r"Serving blocks (\d+):(\d+) of \S+ as peer (\w+)")
+READY_GRAPH = re.compile(r"Serving graph nodes (\d+):(\d+) of \S+ .* as peer (\w+)")
 READY_BACKUP = re.compile(r"Backup peer (\w+) of \S+ ready")
 READY_DHT = re.compile(r"--initial_peers (.+)$", re.MULTILINE)
 READY_MONITOR = re.compile(r"Monitor at (http://\S+/) ")
@@ -223,6 +224,31 @@ class LocalSwarm:
         if wait:
             self.wait_ready(proc, timeout)
         return proc
+
+    def start_graph_peer(self, arch: str, *, nodes: str | None = None, stage: str | None = None,
+                         extra: Sequence[str] = (), name: str | None = None, wait: bool = True,
+                         timeout: float = 120.0, trainers: str | None = None) -> SwarmProcess:
+        """A peer serving a stage of an operator graph (``swarm peer --graph ARCH``): nodes ``A:B`` or stage
+        ``I/N``; ``extra`` passes its config and inputs (``--graph_config``, ``--graph_inputs``...)."""
+        if trainers is None:
+            trainers = self.trainer_id() if self.train else ""
+        where = ["--graph_nodes", nodes] if nodes else ["--graph_stage", stage] if stage else []
+        args = ["peer", "--graph", arch, *where, "--initial_peers", *self.initial_peers,
+                "--update_period", str(self.update_period),
+                *(["--num_threads", str(self.num_threads)] if self.num_threads else []),
+                *(["--trainers", trainers] if trainers else []), *extra]
+        name = name or f"graph{len(self.processes)}"
+        proc = self._spawn([*args, *self.member_flags(name)], name)
+        if wait:
+            self.wait_graph_ready(proc, timeout)
+        return proc
+
+    @staticmethod
+    def wait_graph_ready(proc: SwarmProcess, timeout: float = 120.0) -> tuple[int, int, str]:
+        """Wait for a graph peer's ready line: its node range and peer id."""
+        match = proc.wait_for(READY_GRAPH, timeout)
+        proc.blocks, proc.peer_id = (int(match.group(1)), int(match.group(2))), match.group(3)
+        return proc.blocks[0], proc.blocks[1], proc.peer_id
 
     def start_monitor(self, models: Sequence[str | Path], *, refresh: float = 1.0, extra: Sequence[str] = (),
                       timeout: float = 60.0) -> tuple[SwarmProcess, str]:

@@ -10,7 +10,7 @@ import asyncio
 from hivemind.p2p import P2P
 
 from peers.core.aio import deadline
-from peers.wire.stream import Observer, PeerStream
+from peers.wire.stream import LIVENESS_TIMEOUT, Observer, PeerStream
 from privacy.admission import Admission
 
 
@@ -18,8 +18,9 @@ class PeerLinks:
     """Encrypted, admitted streams from this node to others, opened on first use."""
 
     def __init__(self, p2p: P2P, admission: Admission, *, encrypt: bool = True, timeout: float = 30.0,
-                 observe: Observer | None = None) -> None:
+                 observe: Observer | None = None, liveness_timeout: float = LIVENESS_TIMEOUT) -> None:
         self.p2p, self.admission, self.encrypt, self.timeout = p2p, admission, encrypt, timeout
+        self.liveness_timeout = liveness_timeout  # silence with requests pending that counts as a dead peer
         self.observe = observe  # every stream tells it the timing of its replies (passive link measurement)
         self._streams: dict[str, PeerStream] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -31,7 +32,7 @@ class PeerLinks:
                 async with deadline(self.timeout):
                     stream = self._streams[peer_id] = await PeerStream.connect(
                         self.p2p, peer_id, encrypt=self.encrypt, timeout=self.timeout, admission=self.admission,
-                        observe=self.observe)
+                        observe=self.observe, liveness_timeout=self.liveness_timeout)
             return stream
 
     def close(self) -> None:

@@ -297,6 +297,76 @@ class TrainFetch(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class GraphOpen(Message):
+    """Operator graphs (``peers.model.graph``): open training run ``run_id`` on this peer's stage, nodes ``[start,
+    end)`` of architecture ``arch`` traced with hash ``graph_hash``; ``optim``: AdamW's lr, betas, eps, weight_decay."""
+
+    run_id: str
+    arch: str
+    graph_hash: str
+    start: int
+    end: int
+    optim: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # parameters this stage shares with another (a tied weight): each micro-batch's gradient of them is kept apart
+    # (``GraphGrads``), so that the trainer adds the holders' parts in one process's order
+    shared: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphForward(Message):
+    """A forward of nodes ``[start, end)`` of graph ``graph_hash``: an edge bundle (``peers.wire.edges``) of the
+    stage's input edges follows this message; the reply is the bundle of its output edges. ``run_id`` "": inference
+    (eval mode, nothing kept); else a training forward of micro-batch ``micro_id``, kept until its backward."""
+
+    arch: str
+    graph_hash: str
+    start: int
+    end: int
+    run_id: str = ""
+    micro_id: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphBackward(Message):
+    """The backward of ``micro_id``: a bundle of the gradients of the stage's (floating-point) output edges follows;
+    the reply is the bundle of its input edges' gradients (none with ``input_grads`` False: the first stage)."""
+
+    run_id: str
+    micro_id: str
+    graph_hash: str
+    input_grads: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphApply(Message):
+    """Two-phase commit of a graph run's step: apply the ``micro_batches`` accumulated since the last step (refused,
+    and the step's gradients dropped, if the stage holds another number)."""
+
+    run_id: str
+    micro_batches: int
+    # parameters this stage shares with another (a tied weight: GPT-2's wte and lm_head): a bundle of their summed
+    # gradients, named so, follows; they are the step's gradients of them
+    shared: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphGrads(Message):
+    """This step's gradients of the run's shared parameters ``names``, one per micro-batch in backward order, as a
+    bundle named ``NAME#I``."""
+
+    run_id: str
+    names: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphFetch(Message):
+    """The stage's current parameters and buffers (its ``state_dict``) as a bundle named by key; ``graph_hash`` must
+    be this peer's."""
+
+    graph_hash: str
+
+
+@dataclasses.dataclass(frozen=True)
 class LinkProbe(Message):
     """An active link probe (``peers.wire.probe``): without a tensor, one round trip; with one (at most
     ``PROBE_MAX_BYTES``), a timed transfer. The reply carries no tensor, only ``compute_ms``. Peers answer a few per
@@ -330,7 +400,10 @@ INFERENCE_KINDS: dict[str, type[Message]] = {
     "params_push": ParamsPush, "params_fetch": ParamsFetch, "train_apply": TrainApply, "probe": LinkProbe,
     "push": InferencePush, "relink": InferenceRelink, "replay": InferenceReplay, "train_push": TrainPush,
     "train_fetch": TrainFetch, "adapter_load": AdapterLoad,
+    "graph_open": GraphOpen, "graph_forward": GraphForward, "graph_backward": GraphBackward,
+    "graph_apply": GraphApply, "graph_fetch": GraphFetch, "graph_grads": GraphGrads,
 }
+GRAPH_BUNDLE_KINDS = (GraphForward, GraphBackward)  # requests followed by an edge bundle (``peers.wire.edges``)
 
 
 def pack_inference(message: Message) -> bytes:

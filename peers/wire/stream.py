@@ -13,14 +13,16 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
+from peers.model.graph.trace import EdgeSpec
 from peers.wire import activity
+from peers.wire.edges import edge_messages, read_edge_messages
 from peers.wire.errors import RequestError, refusal_or_failure
 from peers.wire.framing import FrameWriter, IncomingFrames, encode, end_of_stream
 from peers.wire.messages import (
@@ -59,6 +61,7 @@ class _Due:
     began: float = 0.0  # ``time.perf_counter()`` when the request was queued (uvloop's clock counts whole ms)
     sent: int | None = None  # bytes of the request, if it had the stream to itself (no reply due before it)
     coded: bool = False  # the future gets (reply, tensor, top-k indices) instead of (reply, tensor)
+    bundle: tuple | None = None  # (edge specs, graph hash): the reply's tensors are an edge bundle (``submit_bundle``)
 
 
 @dataclass(eq=False)
@@ -270,6 +273,35 @@ class PeerStream:
 
         return checked()
 
+    def submit_bundle(self, message: Message, tensors: Mapping[str, torch.Tensor] | None, specs: Sequence[EdgeSpec],
+                      reply_specs: Sequence[EdgeSpec], graph_hash: str, timeout: float
+                      ) -> Awaitable[tuple[InferenceReply, dict[str, torch.Tensor] | None]]:
+        """Queue a request followed by an edge bundle of ``tensors`` (``specs``, checked here: ``ValueError``) and
+        return an awaitable of its reply and the reply's bundle (``reply_specs``; None if the reply has none);
+        ``RequestError`` if the peer refused it."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        messages = [_message(pack_inference(message))]
+        if tensors is not None:
+            messages += list(edge_messages(tensors, specs, graph_hash, seal=self._seal))
+        if self.closed:
+            future.set_exception(ConnectionError(f"stream to peer {short_id(self.peer_id)} is closed"))
+        else:
+            timer = loop.call_later(timeout, self._expire, future, timeout)
+            if not self._waiting:
+                self._idle_until = loop.time()
+            self._waiting.append(_Due(future, timer, time.perf_counter(), bundle=(tuple(reply_specs), graph_hash)))
+            for m in messages:
+                self._outbox.put_nowait(m)
+
+        async def checked() -> tuple[InferenceReply, dict[str, torch.Tensor] | None]:
+            reply, output = await future
+            if reply.error:
+                raise RequestError(f"peer {short_id(self.peer_id)} refused {type(message).__name__}: {reply.error}")
+            return reply, output
+
+        return checked()
+
     def send_without_reply(self, message: Message) -> None:
         """A request that gets no reply (a relink); dropped if the stream is closed."""
         if not self.closed:
@@ -447,10 +479,16 @@ class PeerStream:
     async def _read(self, replies) -> None:
         try:
             async for first in replies:
-                reply = InferenceReply.from_bytes(first.metadata)
                 output = kept = None
                 before = self.bytes_received - first.ByteSize()
-                if first.tensors:
+                expects = self._waiting[0].bundle if self._waiting else None
+                if first.tensors and expects is not None:  # an edge bundle; the reply is its context
+                    output, context = await read_edge_messages(replies, expects[0], expects[1], MAX_REPLY_BYTES,
+                                                               first=first, unseal=self._unseal)
+                    reply = InferenceReply.from_bytes(context)
+                else:
+                    reply = InferenceReply.from_bytes(first.metadata)
+                if first.tensors and expects is None:
                     _, output, kept = await read_coded_messages(replies, MAX_REPLY_BYTES, first=first,
                                                                 unseal=self._unseal)
                 if not self._waiting:

@@ -1,0 +1,185 @@
+"""Operator graphs through the swarm (issue 18 item 4): ResNet-50 cut into 3 stages on 3 ``swarm peer --graph``
+processes, trained by a ``GraphTrainer`` in a star. The forward and 5 two-phase steps (2 micro-batches each, both in
+flight) equal one process bit for bit (fp32, no compression: losses and every weight and BatchNorm statistic); an
+unknown architecture, a graph-hash mismatch, a wrong edge tensor and an incomplete step are refused with a message,
+change nothing, and the peer keeps serving. Small images (32 px) and micro-batches of 2 keep it within seconds."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from peers.cli.launch import LocalSwarm
+from peers.core.config import SwarmConfig
+from peers.model.graph.swarm_graph import GraphSpec
+from peers.model.graph.trace import EdgeSpec
+from peers.trainer.graph_trainer import GraphTrainer
+from peers.wire.errors import RequestError
+from peers.wire.messages import GraphApply, GraphForward, GraphOpen
+
+SPEC = GraphSpec("resnet50", {"num_classes": 10}, {"batch": 2, "image_size": 32})
+FLAGS = ["--graph_config", "num_classes=10", "--graph_inputs", "batch=2,image_size=32"]
+OPTIM = {"lr": 1e-3, "weight_decay": 0.01}
+
+
+@pytest.fixture(scope="module")
+def graph_swarm(tmp_path_factory) -> Iterator[tuple[LocalSwarm, GraphTrainer]]:
+    """Three graph peers (equal thirds of ResNet-50's nodes) and the trainer they allow."""
+    n = len(SPEC.trace().order)
+    bounds = [0, n // 3, 2 * n // 3, n]
+    with LocalSwarm(tmp_path_factory.mktemp("graph_swarm"), update_period=2.0, train=True) as swarm:
+        swarm.start_dht()
+        procs = [swarm.start_graph_peer("resnet50", nodes=f"{a}:{b}", extra=FLAGS, wait=False, name=f"graph{i}")
+                 for i, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))]
+        for proc in procs:
+            swarm.wait_graph_ready(proc)
+        with GraphTrainer(SPEC, swarm.trainer_config(), optim=OPTIM, run_id="graph-equivalence", in_flight=2,
+                          request_timeout=30) as trainer:
+            trainer.start()
+            yield swarm, trainer
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """The reference computes with one thread, like the peers (``--num_threads 1``): a convolution's sums may be
+    ordered differently with more."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _reference(trainer: GraphTrainer) -> torch.nn.Module:
+    """One process holding exactly what the peers hold now (a tied weight's alias is loaded through its twin)."""
+    model = copy.deepcopy(trainer.graph.gm)
+    missing, unexpected = model.load_state_dict(trainer.fetch_state(), strict=False)
+    assert not unexpected and set(missing) <= {"model.transformer.wte.weight"}
+    return model
+
+
+def test_forward_equals_one_process(graph_swarm, one_thread):
+    _, trainer = graph_swarm
+    n = len(trainer.graph.order)
+    assert [(s.start, s.end) for s in trainer.stages] == [(0, n // 3), (n // 3, 2 * n // 3), (2 * n // 3, n)]
+    reference = _reference(trainer).eval()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = reference(x)
+    assert torch.equal(trainer.forward(x), expected)
+    assert torch.equal(trainer.classify(x), expected.argmax(-1))
+
+
+def test_five_steps_equal_one_process(graph_swarm, one_thread):
+    """Losses, then every weight, AdamW-updated, and every BatchNorm statistic, bit for bit."""
+    _, trainer = graph_swarm
+    reference = _reference(trainer).train()
+    optimizer = torch.optim.AdamW(reference.parameters(), **OPTIM)  # type: ignore[arg-type]
+    assert trainer.step == 0, "this test's run starts at step 0 (run it once per swarm)"
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        micro = [(torch.randn(2, 3, 32, 32, generator=gen), torch.randint(0, 10, (2,), generator=gen))
+                 for _ in range(2)]
+        losses = trainer.train_step(micro)
+        expected = []
+        for x, y in micro:
+            loss = F.cross_entropy(reference(x), y)
+            (loss / len(micro)).backward()
+            expected.append(loss.detach())
+        optimizer.step()
+        optimizer.zero_grad()
+        assert all(torch.equal(a, b) for a, b in zip(losses, expected, strict=True)), (losses, expected)
+    assert trainer.step == 5
+    state = trainer.fetch_state()
+    assert set(state) == set(reference.state_dict())
+    assert all(torch.equal(state[k], v) for k, v in reference.state_dict().items())
+
+
+def test_bad_requests_are_refused_and_change_nothing(graph_swarm, swarm_cli):
+    swarm, trainer = graph_swarm
+    first = trainer.stages[0]
+    stream = trainer.stream(first.peer_id)
+    before = trainer.fetch_state()
+    x = {"x": torch.randn(2, 3, 32, 32)}
+
+    def forward(tensors, specs, **fields):
+        request = GraphForward(**{"arch": "resnet50", "graph_hash": trainer.graph_hash, "start": first.start,
+                                  "end": first.end, **fields})
+        bundle_hash = fields.get("graph_hash", trainer.graph_hash)
+
+        async def call():
+            return await stream.submit_bundle(request, tensors, specs, first.outputs, bundle_hash, 30)
+        return trainer.run(call())
+
+    with pytest.raises(RequestError, match="unknown architecture 'resnet9000'.*known: .*resnet50"):
+        forward(x, first.inputs, arch="resnet9000")
+    with pytest.raises(RequestError, match="graph hash mismatch"):
+        forward(x, first.inputs, graph_hash="00" * 32)
+    small = EdgeSpec("x", (2, 3, 16, 16), torch.float32)
+    with pytest.raises(RequestError, match=r"edge 'x' expects \[2, 3, 32, 32\] torch.float32, got \[2, 3, 16, 16\]"):
+        forward({"x": torch.randn(2, 3, 16, 16)}, (small,))
+    with pytest.raises(RequestError, match=r"missing \['x'\], unexpected \['y'\]"):
+        forward({"y": torch.randn(2, 3, 32, 32)}, (EdgeSpec("y", (2, 3, 32, 32), torch.float32),))
+    with pytest.raises(RequestError, match="serves nodes 0:"):
+        trainer.run(stream.call(GraphOpen(run_id="other", arch="resnet50", graph_hash=trainer.graph_hash, start=1,
+                                          end=first.end), None, 30))
+    with pytest.raises(RequestError, match="the trainer sent 1 micro-batches, this stage holds 0"):
+        trainer.run(stream.call(GraphApply(run_id=trainer.run_id, micro_batches=1), None, 30))
+    _, out = forward(x, first.inputs)  # still serving, and nothing changed
+    assert out is not None and set(out) == {s.name for s in first.outputs}
+    after = trainer.fetch_state()
+    assert all(torch.equal(before[k], v) for k, v in after.items())
+    refused = swarm_cli("peer", "--graph", "resnet9000", "--graph_nodes", "0:3", "--initial_peers",
+                        *swarm.initial_peers)
+    assert refused.returncode == 2 and "unknown architecture 'resnet9000'" in refused.stderr
+    with GraphTrainer(SPEC, SwarmConfig(initial_peers=tuple(swarm.initial_peers)), run_id="stranger") as stranger:
+        with pytest.raises(RequestError, match="not allowed to train here: this peer trains for trainer"):
+            stranger.start()  # a fresh identity, which the peers' --trainers does not name
+        assert torch.equal(stranger.forward(x["x"]), trainer.forward(x["x"]))  # inference is open to anyone admitted
+
+
+@pytest.fixture(scope="module")
+def gpt2_swarm(gpt2_dir, tmp_path_factory) -> Iterator[GraphTrainer]:
+    """transformers' GPT-2 (the tiny one, traced from its own code by ``torch.export``) in 3 equal stages: its tied
+    ``wte``/``lm_head`` is held by the first and the last."""
+    spec = GraphSpec("gpt2", {}, {"batch": 2, "seq_len": 8}, gpt2_dir)
+    flags = ["--graph_inputs", "batch=2,seq_len=8", "--weights", str(gpt2_dir), "--graph_split", "equal"]
+    with LocalSwarm(tmp_path_factory.mktemp("gpt2_graph_swarm"), update_period=2.0, train=True) as swarm:
+        swarm.start_dht()
+        procs = [swarm.start_graph_peer("gpt2", stage=f"{i}/3", extra=flags, wait=False, name=f"gpt2-{i}")
+                 for i in range(3)]
+        for proc in procs:
+            swarm.wait_graph_ready(proc)
+        with GraphTrainer(spec, swarm.trainer_config(), optim=OPTIM, run_id="gpt2-equivalence", in_flight=2,
+                          request_timeout=30) as trainer:
+            trainer.start()
+            yield trainer
+
+
+def test_gpt2_trains_like_one_process(gpt2_swarm, one_thread):
+    """Logits, 5 steps' losses (2 micro-batches each, in flight) and every weight equal one process bit for bit; the
+    tied weight's parts are added per micro-batch in one process's order."""
+    trainer = gpt2_swarm
+    assert [sorted(names) for names in trainer.shared] == [[0, 2]]
+    reference = _reference(trainer)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 259, (2, 8), generator=gen)
+    assert torch.equal(trainer.forward(ids), reference(ids))
+    optimizer = torch.optim.AdamW(reference.parameters(), **OPTIM)  # type: ignore[arg-type]
+    for _ in range(5):
+        micro = [(x, x) for x in (torch.randint(0, 259, (2, 8), generator=gen) for _ in range(2))]
+        losses = trainer.train_step(micro)
+        expected = []
+        for x, _ in micro:
+            loss = trainer.loss(reference(x), x)
+            (loss / len(micro)).backward()
+            expected.append(loss.detach())
+        optimizer.step()
+        optimizer.zero_grad()
+        assert all(torch.equal(a, b) for a, b in zip(losses, expected, strict=True)), (losses, expected)
+    state, reference_state = trainer.fetch_state(), reference.state_dict()
+    assert all(torch.equal(v, reference_state[k]) for k, v in state.items())
+    assert set(reference_state) - set(state) == {"model.transformer.wte.weight"}  # the tied alias of lm_head
