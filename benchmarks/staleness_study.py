@@ -118,7 +118,8 @@ def main() -> None:
                          "train_curve_staleness_0": runs[0]["train_loss_every_5_steps"],
                          "train_curve_staleness_1": runs[1]["train_loss_every_5_steps"]})
     result = {"benchmark": "staleness_study", "quick": args.quick, "model": {**spec, "dtype": "float32"},
-              "setup": setup, "seed": SEED, "torch_threads": args.threads, "runs": rows, "seconds": round(time.perf_counter() - t0, 1)}
+              "setup": setup, "seed": SEED, "torch_threads": args.threads, "runs": rows,
+              "seconds": round(time.perf_counter() - t0, 1)}
     report(result, args.out, write=not args.quick)
 
 
