@@ -129,15 +129,17 @@ class ChainCalls(StreamCalls):
             for (index, session, position, _), output in zip(runs, outputs, strict=True):
                 if session.downstream:
                     session.keep(position, output)
-                    if not request.hold:
-                        pushes.append((index, session, self._push(session, position, output)))
+                    if not request.hold:  # (the next peer now: a relink may replace it while the push runs)
+                        pushes.append((index, session, session.downstream,
+                                       self._push(session, session.downstream, session.downstream_session, position,
+                                                  output)))
             results = await asyncio.gather(*(push for *_, push in pushes), return_exceptions=True)
         failed_peer = ""
-        for (index, session, _), result in zip(pushes, results, strict=True):
-            if isinstance(result, BaseException):
+        for (index, session, target, _), result in zip(pushes, results, strict=True):
+            if isinstance(result, BaseException):  # name the peer the push went to, not its replacement
                 errors[index] = (f"could not hand the output of session {session.session_id!r} to the next peer "
-                                 f"{short_id(session.downstream)}: {result}")
-                failed_peer = failed_peer or session.downstream
+                                 f"{short_id(target)}: {result}")
+                failed_peer = failed_peer or target
                 logger.info("Chain: %s", errors[index])
         returned = [(session, output) for (index, session, _, _), output in zip(runs, outputs, strict=True)
                     if not session.downstream and not request.hold and not errors[index]]
@@ -160,14 +162,16 @@ class ChainCalls(StreamCalls):
             raise RequestError(f"session {session.session_id!r} was closed")
         return await self.inbox.take((session.session_id, position), self.request_timeout, what)
 
-    async def _push(self, session: Session, position: int, output: torch.Tensor) -> None:
+    async def _push(self, session: Session, target: str, target_session: str, position: int, output: torch.Tensor
+                    ) -> None:
+        """``output`` to session ``target_session`` on peer ``target`` (the session's next peer when the step ran)."""
         if self.stream_for is None:
             raise RequestError("this peer cannot reach other peers")
         try:  # a next peer that died is not dialed for long: the client waits to hear which peer failed
-            stream = await asyncio.wait_for(self.stream_for(session.downstream), CONNECT_TIMEOUT)
+            stream = await asyncio.wait_for(self.stream_for(target), CONNECT_TIMEOUT)
         except asyncio.TimeoutError:
             raise ConnectionError(f"could not reach it within {CONNECT_TIMEOUT:.0f} s") from None
-        await stream.push(session.downstream_session, position, output, self.request_timeout,
+        await stream.push(target_session, position, output, self.request_timeout,
                           codec=codec_of([session.compression]))
 
     # ---- pushes from the previous peer ---------------------------------------------------------
@@ -271,7 +275,7 @@ class ChainCalls(StreamCalls):
             return [reply(error=f"this peer has not kept the outputs of tokens 0:{request.upto} of session "
                                 f"{session.session_id!r} (it had no downstream then)")]
         try:
-            await self._push(session, 0, kept)
+            await self._push(session, request.downstream, request.downstream_session, 0, kept)
         except PUSH_FAILURES as e:
             error = f"could not replay session {session.session_id!r} into peer {short_id(request.downstream)}: {e}"
             return [runtime_pb2.ExpertResponse(metadata=InferenceReply(
