@@ -9,9 +9,7 @@ that folder did (``transformers``' ``from_pretrained``, ``swarm peer``); tensors
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 from torch import nn
+
+from peers.core.folders import folder_replacing, write_json
 
 from .checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint
 
@@ -66,21 +66,13 @@ def save_hf_folder(model_dir: str | Path, out_dir: str | Path, tensors: dict[str
     config["torch_dtype"] = dtype
     if "dtype" in config:  # transformers 5's spelling
         config["dtype"] = dtype
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with folder_replacing(out_dir) as tmp:
         for item in model_dir.iterdir():
             if item.is_file() and item.name not in ("config.json", INDEX_FILE) and \
                     not item.name.endswith(WEIGHT_SUFFIXES):
                 shutil.copyfile(item, tmp / item.name)  # follows the HF cache's symlinks
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        write_json(tmp / "config.json", config)
         save_file(tensors, str(tmp / SINGLE_FILE), metadata={"format": "pt"})
         if info is not None:
-            (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            write_json(tmp / EXPORT_INFO, info, indent=1)
     return out_dir

@@ -6,16 +6,14 @@ key names (``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``), 
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from peers.core.folders import folder_replacing, write_json
 from peers.model.config import ModelConfig
 
 from .lora import LoraSpec, parse_adapter, site_key, split_key
@@ -57,20 +55,11 @@ def save_peft_folder(out_dir: str | Path, spec: LoraSpec, model_dir: str | Path,
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise ValueError(f"{out_dir} exists and is not empty: choose another --out or pass --force")
     family = ModelConfig.from_dir(model_dir).family
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        config = adapter_config(spec, family, str(Path(model_dir).resolve()))
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    with folder_replacing(out_dir) as tmp:
+        write_json(tmp / CONFIG_FILE, adapter_config(spec, family, str(Path(model_dir).resolve())))
         save_file(peft_tensors(family, state), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         if info is not None:
-            (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            write_json(tmp / EXPORT_INFO, info, indent=1)
     return out_dir
 
 

@@ -181,11 +181,7 @@ class PromptStageTrainer(StageTrainer):
                 return run_blocks(self.blocks, hidden, positions, deep)
         keep = self.keep_activations
         with self._lock:
-            if micro_id in self._pending:
-                raise ValueError(f"micro-batch {micro_id!r} is already pending here: use a fresh id per micro-batch")
-            if len(self._pending) >= self.max_pending:
-                raise ValueError(f"{len(self._pending)} micro-batches are pending (max_pending={self.max_pending}): "
-                                 "backward or drop some before sending more")
+            self._check_room(micro_id)
             leaf = hidden.detach().requires_grad_(keep)
             deep_leaf = None if deep is None else deep.detach().requires_grad_(keep)
             with torch.set_grad_enabled(keep):

@@ -104,6 +104,14 @@ class StageTrainer:
         with self._lock:
             return set(self._pending)
 
+    def _check_room(self, micro_id: str) -> None:
+        """A new micro-batch ``micro_id`` may be kept (call with ``_lock`` held): a fresh id, below ``max_pending``."""
+        if micro_id in self._pending:
+            raise ValueError(f"micro-batch {micro_id!r} is already pending here: use a fresh id per micro-batch")
+        if len(self._pending) >= self.max_pending:
+            raise ValueError(f"{len(self._pending)} micro-batches are pending (max_pending={self.max_pending}): "
+                             "backward or drop some before sending more")
+
     def _check_input(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> None:
         if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or not hidden.is_floating_point():
             got = getattr(hidden, "shape", hidden)
@@ -137,11 +145,7 @@ class StageTrainer:
             raise ValueError(f"micro-batch {micro_id!r} names the weights of step {at_step}, but the run was opened "
                              "with staleness 0: open it with staleness=1 for asynchronous steps")
         with self._lock:
-            if micro_id in self._pending:
-                raise ValueError(f"micro-batch {micro_id!r} is already pending here: use a fresh id per micro-batch")
-            if len(self._pending) >= self.max_pending:
-                raise ValueError(f"{len(self._pending)} micro-batches are pending (max_pending={self.max_pending}): "
-                                 "backward or drop some before sending more")
+            self._check_room(micro_id)
             saved = _Saved(hidden.detach(), position_ids.detach())
             if at_step >= 0:
                 saved.weights = self.versions.at(at_step, self.step)
