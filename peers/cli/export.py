@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from peers.model.export import hf_tensors, save_hf_folder
 from peers.trainer.state import trainer_checkpoint_path
 from peers.training import TrainConfig
 from peers.training.state import STATE_FILE, client_part, load_weights, read_state_info, run_checkpoint_dir
+
+if TYPE_CHECKING:
+    from peers.client.swarm_client import SwarmClient
 
 logger = logging.getLogger(__name__)
 
@@ -85,20 +89,26 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _blocks_from_peers(blocks: list[torch.nn.Module], args: argparse.Namespace, config: TrainConfig, run_id: str,
-                       step: int) -> list[str]:
+def run_client(config: TrainConfig, args: argparse.Namespace, what: str) -> SwarmClient:
+    """A client of the run's swarm (``--initial_peers``, identity, model name) to fetch ``what`` from its peers."""
     from peers.client.swarm_client import SwarmClient
-    from peers.client.trained import fetch_run_blocks
     from peers.core.config import ClientConfig
-    from peers.server.span_loading import load_flat
 
     swarm = swarm_config(args)
     if not swarm.initial_peers:
-        raise ValueError("pass --initial_peers (the line `swarm dht` printed) to fetch the blocks from the run's "
+        raise ValueError(f"pass --initial_peers (the line `swarm dht` printed) to fetch {what} from the run's "
                          "peers, or --blocks_from with the peers' --checkpoint_dir folders")
     client_config = ClientConfig(swarm=swarm, model_name=args.model_name or config.model_name,
                                  request_timeout=args.request_timeout)
-    with SwarmClient(config.model_dir, config=client_config) as client:
+    return SwarmClient(config.model_dir, config=client_config)
+
+
+def _blocks_from_peers(blocks: list[torch.nn.Module], args: argparse.Namespace, config: TrainConfig, run_id: str,
+                       step: int) -> list[str]:
+    from peers.client.trained import fetch_run_blocks
+    from peers.server.span_loading import load_flat
+
+    with run_client(config, args, "the blocks") as client:
         fetched = fetch_run_blocks(client, run_id, step)
     for block in fetched:
         load_flat([blocks[block.index]], block.flat)

@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 from torch.nn.utils import vector_to_parameters
 
-from peers.cli.options import swarm_config
 from peers.model import ModelConfig, load_blocks
 from peers.training import TrainConfig
 from peers.training.lora import LoraAdapter, LoraSpec, parse_adapter
@@ -73,19 +72,12 @@ def _from_folders(config: TrainConfig, spec: LoraSpec, folders: list[Path], run_
 
 
 def _from_peers(config: TrainConfig, spec: LoraSpec, args: argparse.Namespace, run_id: str) -> list[Span]:
-    from peers.client.swarm_client import SwarmClient
-    from peers.core.config import ClientConfig
+    from peers.cli.export import run_client
     from peers.wire.messages import ParamsFetch
     from swarm.records import PeerState
 
-    swarm = swarm_config(args)
-    if not swarm.initial_peers:
-        raise ValueError("pass --initial_peers (the line `swarm dht` printed) to fetch the adapters from the run's "
-                         "peers, or --blocks_from with the peers' --checkpoint_dir folders")
-    client_config = ClientConfig(swarm=swarm, model_name=args.model_name or config.model_name,
-                                 request_timeout=args.request_timeout)
     found, problems = [], []
-    with SwarmClient(config.model_dir, config=client_config) as client:
+    with run_client(config, args, "the adapters") as client:
         for record in sorted(client.records(), key=lambda r: (r.start, r.end, r.peer_id)):
             if record.state != PeerState.ONLINE:
                 continue
