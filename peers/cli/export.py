@@ -12,19 +12,16 @@ import argparse
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from peers.cli.options import model_name_flag, swarm_config, swarm_flags
+from peers.cli.export_client import run_client
+from peers.cli.options import model_name_flag, swarm_flags
 from peers.model import ModelConfig, load_blocks, load_client_parts
 from peers.model.export import hf_tensors, save_hf_folder
 from peers.trainer.state import trainer_checkpoint_path
 from peers.training import TrainConfig
 from peers.training.state import STATE_FILE, client_part, load_weights, read_state_info, run_checkpoint_dir
-
-if TYPE_CHECKING:
-    from peers.client.swarm_client import SwarmClient
 
 logger = logging.getLogger(__name__)
 
@@ -87,20 +84,6 @@ def _cmd_export(args: argparse.Namespace) -> int:
           flush=True)
     print("export " + json.dumps(meta), flush=True)
     return 0
-
-
-def run_client(config: TrainConfig, args: argparse.Namespace, what: str) -> SwarmClient:
-    """A client of the run's swarm (``--initial_peers``, identity, model name) to fetch ``what`` from its peers."""
-    from peers.client.swarm_client import SwarmClient
-    from peers.core.config import ClientConfig
-
-    swarm = swarm_config(args)
-    if not swarm.initial_peers:
-        raise ValueError(f"pass --initial_peers (the line `swarm dht` printed) to fetch {what} from the run's "
-                         "peers, or --blocks_from with the peers' --checkpoint_dir folders")
-    client_config = ClientConfig(swarm=swarm, model_name=args.model_name or config.model_name,
-                                 request_timeout=args.request_timeout)
-    return SwarmClient(config.model_dir, config=client_config)
 
 
 def _blocks_from_peers(blocks: list[torch.nn.Module], args: argparse.Namespace, config: TrainConfig, run_id: str,

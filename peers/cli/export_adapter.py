@@ -72,7 +72,7 @@ def _from_folders(config: TrainConfig, spec: LoraSpec, folders: list[Path], run_
 
 
 def _from_peers(config: TrainConfig, spec: LoraSpec, args: argparse.Namespace, run_id: str) -> list[Span]:
-    from peers.cli.export import run_client
+    from peers.cli.export_client import run_client
     from peers.wire.messages import ParamsFetch
     from swarm.records import PeerState
 

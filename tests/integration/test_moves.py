@@ -21,6 +21,7 @@ from peers.model import LocalModel, make_tiny_model
 from peers.server.control import send_command
 from peers.trainer.swarm_trainer import SwarmTrainer
 from peers.training import OptimConfig, TokenBatches, encode_bytes
+from peers.wire.errors import MOVED_REFUSAL
 from peers.wire.messages import ParamsFetch
 from privacy.peer_ids import short_id
 from swarm.records import PeerState
@@ -146,7 +147,8 @@ def test_peer_moves_mid_generation_and_a_backup_takes_its_place(move_swarm, mode
                 assert _move(swarm, c, "0:2") == "ok: serving 0:2"  # the backup takes a place first ...
                 assert _move(swarm, a, "2:4") == "ok: serving 2:4"  # ... then a leaves 0:2 mid-generation
         assert tokens == expected
-        assert client.router.ban(a.peer_id) is None, "a peer that moved is healthy: no ban"
+        ban = client.router.ban(a.peer_id)  # a step late on a loaded machine may still cost a a short ban
+        assert ban is None or MOVED_REFUSAL not in ban.error, f"a peer that moved is healthy: no ban for it ({ban})"
         assert client.info(c.peer_id).inference_steps > 0, "the backup took over blocks 0:2"
         _wait_record(client, a.peer_id, PeerState.ONLINE, (2, 4))
         _wait_record(client, c.peer_id, PeerState.ONLINE, (0, 2))
