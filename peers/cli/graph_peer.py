@@ -32,6 +32,11 @@ def add_graph_flags(peer: argparse.ArgumentParser) -> None:
     group.add_argument("--graph_split", choices=("plan", "equal"), default="plan",
                        help="how --graph_stage cuts: the planner's cut (counted FLOPs and bytes) or an equal split by "
                             "node count (default: plan)")
+    group.add_argument("--graph_links", type=link_rates, default=None, metavar="MBIT,...",
+                       help="for --graph_split plan: Mbit/s of the link into each stage after the first (N-1 "
+                            "figures; in the star, the slower of the trainer's links to the two stages), so the "
+                            "planner cuts where little crosses a slow link (default: 1000 each). Every peer of the "
+                            "graph must be given the same, or their stages will not meet")
 
 
 def key_values(text: str) -> dict[str, Any]:
@@ -55,6 +60,17 @@ def key_values(text: str) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[key.strip()] = raw
     return out
+
+
+def link_rates(text: str) -> tuple[float, ...]:
+    """``100,8`` (Mbit/s) -> bytes/s each."""
+    try:
+        rates = tuple(float(x) * 1e6 / 8 for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected Mbit/s figures separated by commas, got {text!r}") from None
+    if not rates or min(rates) <= 0:
+        raise argparse.ArgumentTypeError(f"link rates must be positive, got {text!r}")
+    return rates
 
 
 def node_range(text: str) -> tuple[int, int]:
@@ -89,7 +105,7 @@ def run_graph_peer(args: argparse.Namespace, swarm, run_until_signal) -> int:
         raise ValueError(f"{', '.join(unsupported)} not supported with --graph yet: drop them")
     spec = GraphSpec(args.graph, dict(args.graph_config), dict(args.graph_inputs), args.weights, args.graph_seed)
     config = GraphServerConfig(spec=spec, swarm=swarm, nodes=args.graph_nodes, stage=args.graph_stage,
-                               split=args.graph_split, trainers=parse_trainers(args.trainers),
+                               split=args.graph_split, links=args.graph_links, trainers=parse_trainers(args.trainers),
                                request_timeout=args.request_timeout, update_period=args.update_period,
                                max_request_bytes=args.max_request_bytes, require_encryption=not args.allow_plaintext,
                                public_name=args.public_name)

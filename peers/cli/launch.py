@@ -227,18 +227,20 @@ class LocalSwarm:
 
     def start_graph_peer(self, arch: str, *, nodes: str | None = None, stage: str | None = None,
                          extra: Sequence[str] = (), name: str | None = None, wait: bool = True,
-                         timeout: float = 120.0, trainers: str | None = None) -> SwarmProcess:
+                         timeout: float = 120.0, trainers: str | None = None,
+                         host: Placement | None = None) -> SwarmProcess:
         """A peer serving a stage of an operator graph (``swarm peer --graph ARCH``): nodes ``A:B`` or stage
-        ``I/N``; ``extra`` passes its config and inputs (``--graph_config``, ``--graph_inputs``...)."""
+        ``I/N``; ``extra`` passes its config and inputs (``--graph_config``, ``--graph_inputs``...); in ``host``
+        as for ``start_peer``."""
         if trainers is None:
             trainers = self.trainer_id() if self.train else ""
         where = ["--graph_nodes", nodes] if nodes else ["--graph_stage", stage] if stage else []
         args = ["peer", "--graph", arch, *where, "--initial_peers", *self.initial_peers,
                 "--update_period", str(self.update_period),
                 *(["--num_threads", str(self.num_threads)] if self.num_threads else []),
-                *(["--trainers", trainers] if trainers else []), *extra]
+                *(["--trainers", trainers] if trainers else []), *host_flags(host, extra), *extra]
         name = name or f"graph{len(self.processes)}"
-        proc = self._spawn([*args, *self.member_flags(name)], name)
+        proc = self._spawn([*args, *self.member_flags(name)], name, host)
         if wait:
             self.wait_graph_ready(proc, timeout)
         return proc

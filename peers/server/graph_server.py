@@ -41,6 +41,7 @@ class GraphServerConfig:
     nodes: tuple[int, int] | None = None  # --graph_nodes A:B
     stage: tuple[int, int] | None = None  # --graph_stage i/n
     split: str = "plan"  # how --graph_stage cuts: the planner's cut or an equal split by node count
+    links: tuple[float, ...] | None = None  # --graph_links: bytes/s into each stage after the first (the planner's)
     trainers: tuple[str, ...] = ()
     request_timeout: float = 60.0
     update_period: float = 15.0
@@ -61,7 +62,7 @@ def choose_nodes(config: GraphServerConfig, graph) -> tuple[int, int]:
             raise ValueError(f"--graph_nodes {start}:{end} is not a non-empty range of {graph.arch}'s {n} nodes")
         return start, end
     index, count = config.stage  # type: ignore[misc]
-    return stage_nodes(graph, index, count, config.split, config.spec.example_inputs())
+    return stage_nodes(graph, index, count, config.split, config.spec.example_inputs(), config.links)
 
 
 class GraphServer:

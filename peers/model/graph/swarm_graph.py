@@ -43,11 +43,15 @@ def swarm_model_name(graph: OpGraph, digest: str | None = None) -> str:
     return f"{graph.arch}-{(digest or graph_hash(graph))[:12]}"
 
 
-def stage_cuts(graph: OpGraph, stages: int, split: str = "plan", example_inputs: tuple | None = None) -> list[int]:
+def stage_cuts(graph: OpGraph, stages: int, split: str = "plan", example_inputs: tuple | None = None,
+               links: tuple[float, ...] | None = None) -> list[int]:
     """The inner cuts of ``stages`` stages: ``plan`` (``swarm.plan.graph_cut`` on counted FLOPs and bytes, equal
-    peers, 1 Gbit/s links) or ``equal`` (about as many nodes each)."""
+    peers; ``links``: bytes/s of the link into each stage after the first, default 1 Gbit/s each) or ``equal``
+    (about as many nodes each)."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    if links is not None and (len(links) != stages - 1 or min(links, default=1.0) <= 0):
+        raise ValueError(f"{stages} stages need {stages - 1} positive link rates, got {list(links)}")
     n = len(graph.order)
     allowed = [graph.cuttable(c) for c in range(n + 1)]
     if split == "equal" or stages == 1:
@@ -56,13 +60,14 @@ def stage_cuts(graph: OpGraph, stages: int, split: str = "plan", example_inputs:
         raise ValueError("the planner needs the graph's example inputs to count its costs")
     costs = graph_costs(graph, example_inputs)
     seconds = node_seconds_from_work(costs.flops, costs.bytes_moved, [PLAN_PEER] * stages)
-    return list(plan_graph_cut(seconds, costs.cut_bytes, [PLAN_LINK] * (stages - 1), costs.allowed).cuts)
+    rates = list(links) if links is not None else [PLAN_LINK] * (stages - 1)
+    return list(plan_graph_cut(seconds, costs.cut_bytes, rates, costs.allowed).cuts)
 
 
 def stage_nodes(graph: OpGraph, index: int, stages: int, split: str = "plan",
-                example_inputs: tuple | None = None) -> tuple[int, int]:
+                example_inputs: tuple | None = None, links: tuple[float, ...] | None = None) -> tuple[int, int]:
     """Nodes ``[start, end)`` of stage ``index`` of ``stages``."""
     if not 0 <= index < stages:
         raise ValueError(f"stage {index}/{stages}: need 0 <= INDEX < COUNT")
-    bounds = [0, *stage_cuts(graph, stages, split, example_inputs), len(graph.order)]
+    bounds = [0, *stage_cuts(graph, stages, split, example_inputs, links), len(graph.order)]
     return bounds[index], bounds[index + 1]

@@ -8,6 +8,7 @@ import torch
 from peers.model.graph import get_architecture
 from peers.model.graph.costs import graph_costs
 from swarm.plan.graph_cut import equal_split, evaluate_cuts, node_seconds_from_work, plan_graph_cut
+from tests.unit.peers.model.conftest import RESNET_INPUTS
 
 
 def test_resnet50_costs_and_plan(resnet50_graph):
@@ -39,3 +40,22 @@ def test_resnet50_costs_and_plan(resnet50_graph):
         return max(sum(costs.param_bytes[a:b]) for a, b in zip(bounds, bounds[1:], strict=False))
 
     assert most_held(plan) > total / 2 >= most_held(capped) and capped.bottleneck > plan.bottleneck
+
+
+def test_stage_cuts_move_away_from_a_slow_link(resnet50_graph):
+    """Protects: ``--graph_links``: a slow link into the last stage makes the planner cut where fewer bytes cross it
+    (and the bottleneck it prices is no worse than the 1 Gbit/s plan's); a wrong number of links is refused."""
+    import pytest
+
+    from peers.model.graph.swarm_graph import PLAN_LINK, stage_cuts
+
+    graph, inputs = resnet50_graph, get_architecture("resnet50").example_inputs(RESNET_INPUTS)
+    costs = graph_costs(graph, inputs)
+    slow = (PLAN_LINK, 1e6 / 8)  # 1 Gbit/s, then 1 Mbit/s into the last stage
+    fast_cuts, slow_cuts = stage_cuts(graph, 3, "plan", inputs), stage_cuts(graph, 3, "plan", inputs, slow)
+    assert costs.cut_bytes[slow_cuts[1]] < costs.cut_bytes[fast_cuts[1]]
+    seconds = node_seconds_from_work(costs.flops, costs.bytes_moved, [(1e12, 40e9)] * 3)
+    assert evaluate_cuts(seconds, costs.cut_bytes, list(slow), slow_cuts).bottleneck < \
+        evaluate_cuts(seconds, costs.cut_bytes, list(slow), fast_cuts).bottleneck
+    with pytest.raises(ValueError, match="3 stages need 2 positive link rates"):
+        stage_cuts(graph, 3, "plan", inputs, (PLAN_LINK,))

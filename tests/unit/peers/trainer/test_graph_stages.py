@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from peers.cli.graph_peer import key_values, node_range, stage_index
+from peers.cli.graph_peer import key_values, link_rates, node_range, stage_index
 from peers.trainer.graph_trainer import choose_stages
 from swarm.records import PeerRecord, PeerState
 
@@ -38,6 +38,8 @@ def test_config_flags_take_json_or_key_values():
     assert key_values("batch=8,image_size=64,zero_init_residual=true,name=x") == {
         "batch": 8, "image_size": 64, "zero_init_residual": True, "name": "x"}
     assert node_range("3:40") == (3, 40) and stage_index("1/3") == (1, 3)
-    for bad, parse in (("[1]", key_values), ("batch", key_values), ("3-40", node_range), ("3/3", stage_index)):
+    assert link_rates("100,8") == (12.5e6, 1e6)  # Mbit/s -> bytes/s
+    for bad, parse in (("[1]", key_values), ("batch", key_values), ("3-40", node_range), ("3/3", stage_index),
+                       ("100,x", link_rates), ("100,0", link_rates)):
         with pytest.raises(argparse.ArgumentTypeError):
             parse(bad)
