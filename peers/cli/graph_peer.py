@@ -99,8 +99,8 @@ def run_graph_peer(args: argparse.Namespace, swarm, run_until_signal) -> int:
     if args.model_dir is not None or args.block_indices is not None or args.num_blocks is not None or args.backup:
         raise ValueError("--graph serves a stage of an operator graph: drop MODEL and --block_indices/--num_blocks/"
                          "--backup, and give --graph_nodes A:B or --graph_stage I/N")
-    unsupported = [flag for flag, given in (("--checkpoint_dir", args.checkpoint_dir), ("--control_socket",
-                   args.control_socket), ("--organise", args.organise), ("--metrics_port", args.metrics_port)) if given]
+    unsupported = [flag for flag, given in (("--control_socket", args.control_socket), ("--organise", args.organise),
+                                            ("--metrics_port", args.metrics_port)) if given]
     if unsupported:
         raise ValueError(f"{', '.join(unsupported)} not supported with --graph yet: drop them")
     spec = GraphSpec(args.graph, dict(args.graph_config), dict(args.graph_inputs), args.weights, args.graph_seed)
@@ -108,7 +108,7 @@ def run_graph_peer(args: argparse.Namespace, swarm, run_until_signal) -> int:
                                split=args.graph_split, links=args.graph_links, trainers=parse_trainers(args.trainers),
                                request_timeout=args.request_timeout, update_period=args.update_period,
                                max_request_bytes=args.max_request_bytes, require_encryption=not args.allow_plaintext,
-                               public_name=args.public_name)
+                               public_name=args.public_name, checkpoint_dir=args.checkpoint_dir)
     if args.num_threads:
         import torch
 

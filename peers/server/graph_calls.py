@@ -69,7 +69,8 @@ class GraphCalls(StreamCalls):
     async def open(self, request: GraphOpen, call: Call) -> Responses:
         try:
             self.serving.check_graph(request.arch, request.graph_hash, request.start, request.end)
-            step = self.serving.open(request.run_id, request.optim, call.caller, list(request.shared))
+            step = self.serving.open(request.run_id, request.optim, call.caller, list(request.shared),
+                                     request.checkpoint_every)
         except (RequestError, ValueError) as e:
             return self._refused(request, call, e)
         return [runtime_pb2.ExpertResponse(metadata=InferenceReply(step=step).to_bytes())]

@@ -3,7 +3,12 @@ and the training run open on it (two-phase steps: forwards keep what their backw
 apply commits the step with AdamW). Computation runs on a thread, one at a time, in the order requests arrive.
 
 A refusal changes nothing: a forward or backward refused before it ran leaves no trace; an apply holding another
-number of micro-batches than the trainer sent drops the step's gradients (nothing applied)."""
+number of micro-batches than the trainer sent drops the step's gradients (nothing applied).
+
+With a ``checkpoint_dir`` the stage saves its run every ``checkpoint_every`` steps (the trainer's ``GraphOpen``
+says how often; weights, AdamW state, BatchNorm statistics and the step, in
+``checkpoint_dir/<run_id>/graph-<hash 12>-<start>-<end>``), and a run opened here anew (e.g. after a restart) resumes
+from that checkpoint: its weights, optimizer and step."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +26,7 @@ from peers.model.graph.autodiff import Saved, train_backward, train_forward
 from peers.model.graph.registry import ARCHITECTURES
 from peers.model.graph.stage import GraphStage
 from peers.model.graph.trace import EdgeSpec
+from peers.training.state import STATE_FILE, load_stage_state, run_checkpoint_dir, save_stage_state
 from peers.wire.errors import RequestError
 
 logger = logging.getLogger(__name__)
@@ -57,13 +64,16 @@ class GraphRun:
     shared: tuple[str, ...] = ()  # parameters tied with another stage's: their gradient per micro-batch, kept apart
     parts: list[dict[str, torch.Tensor]] = field(default_factory=list)  # this step's, in backward order
     step: int = 0
+    checkpoint_every: int = 0  # save every this many steps (0: never), with a checkpoint_dir
 
 
 class GraphServing:
     """One stage of graph ``graph_hash`` (``arch``), nodes ``[stage.start, stage.end)``."""
 
-    def __init__(self, stage: GraphStage, graph_hash: str, trainers: TrainerPolicy) -> None:
+    def __init__(self, stage: GraphStage, graph_hash: str, trainers: TrainerPolicy,
+                 checkpoint_dir: Path | None = None) -> None:
         self.stage, self.graph_hash, self.trainers = stage, graph_hash, trainers
+        self.checkpoint_dir = checkpoint_dir
         self.arch, self.start, self.end = stage.arch, stage.start, stage.end
         self.run: GraphRun | None = None
         self._lock = asyncio.Lock()  # one computation at a time, in arrival order
@@ -107,15 +117,20 @@ class GraphServing:
         return run
 
     # ---- requests ---------------------------------------------------------------------------------
-    def open(self, run_id: str, optim: Mapping[str, Any], caller: str, shared: Sequence[str] = ()) -> int:
-        """Open (or re-open: its optimizer and step are kept) ``run_id``; another run open here is closed."""
+    def open(self, run_id: str, optim: Mapping[str, Any], caller: str, shared: Sequence[str] = (),
+             checkpoint_every: int = 0) -> int:
+        """Open (or re-open: its optimizer and step are kept) ``run_id``; another run open here is closed. A run
+        new here resumes from this stage's checkpoint of it, if there is one."""
         self.check_trainer(caller)
         settings = adamw_settings(optim)
         self.shared_specs(list(shared))  # parameters of this stage
         if not 0 < len(run_id) <= 128:
             raise RequestError("a run id is 1 to 128 characters")
+        if not 0 <= checkpoint_every <= 1 << 20:
+            raise RequestError(f"checkpoint_every must be in 0..{1 << 20}, got {checkpoint_every}")
         run = self.run
         if run is not None and run.run_id == run_id and run.trainer == caller:
+            run.checkpoint_every = checkpoint_every
             run.shared = tuple(shared)
             run.parts.clear()
             run.kept.clear()
@@ -127,9 +142,33 @@ class GraphServing:
         self.stage.zero_grad(set_to_none=True)
         params = list(self.stage.parameters())
         optimizer = torch.optim.AdamW(params, **settings) if params else None
-        self.run = GraphRun(run_id, caller, optimizer, shared=tuple(shared))
-        logger.info("Graph run %r of %s opened on nodes %d:%d", run_id, caller[-8:], self.start, self.end)
-        return 0
+        step = self._resume(run_id, optimizer)
+        self.run = GraphRun(run_id, caller, optimizer, shared=tuple(shared), step=step,
+                            checkpoint_every=checkpoint_every)
+        logger.info("Graph run %r of %s opened on nodes %d:%d at step %d", run_id, caller[-8:], self.start,
+                    self.end, step)
+        return step
+
+    def checkpoint_path(self, run_id: str) -> Path | None:
+        if self.checkpoint_dir is None:
+            return None
+        return run_checkpoint_dir(self.checkpoint_dir, run_id) / f"graph-{self.graph_hash[:12]}-{self.start}-{self.end}"
+
+    def _meta(self, run_id: str) -> dict[str, Any]:
+        return {"kind": "graph", "run_id": run_id, "arch": self.arch, "graph_hash": self.graph_hash,
+                "nodes": [self.start, self.end]}
+
+    def _resume(self, run_id: str, optimizer: torch.optim.Optimizer | None) -> int:
+        """Load this stage's checkpoint of ``run_id`` if it has one; its step (0: none)."""
+        path = self.checkpoint_path(run_id)
+        if path is None or not (path / STATE_FILE).is_file():
+            return 0
+        try:
+            info = load_stage_state(path, self.stage.module, optimizer, expect=self._meta(run_id), buffers=True)
+        except ValueError as e:
+            raise RequestError(f"cannot resume run {run_id[:64]!r} from this peer's checkpoint: {e}") from None
+        logger.info("Graph run %r resumed from %s at step %d", run_id, path, info["step"])
+        return int(info["step"])
 
     async def forward(self, inputs: dict[str, torch.Tensor], run_id: str, micro_id: str, caller: str
                       ) -> dict[str, torch.Tensor]:
@@ -208,7 +247,11 @@ class GraphServing:
             params[name].grad = grad.clone()
         async with self._lock:
             await asyncio.to_thread(self._step, run)
-        run.accumulated, run.step = 0, run.step + 1
+            run.accumulated, run.step = 0, run.step + 1
+            path = self.checkpoint_path(run.run_id)
+            if path is not None and run.checkpoint_every and run.step % run.checkpoint_every == 0:
+                await asyncio.to_thread(save_stage_state, path, self.stage.module, run.optimizer, run.step,
+                                        self._meta(run.run_id), buffers=True)
         return run.step
 
     def drop(self, run_id: str, caller: str) -> None:

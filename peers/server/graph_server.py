@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import peers
 from peers.core.access import load_admission, load_identity
@@ -48,6 +49,7 @@ class GraphServerConfig:
     max_request_bytes: int = 256 << 20
     require_encryption: bool = True
     public_name: str = ""
+    checkpoint_dir: Path | None = None  # where runs are saved (every checkpoint_every steps, the trainer says)
 
 
 def choose_nodes(config: GraphServerConfig, graph) -> tuple[int, int]:
@@ -92,7 +94,7 @@ class GraphServer:
         info = StageInfo(peer_id=peer_id, model=self.model_name, start=self.start, end=self.end, hidden_size=0,
                          dtype="float32", max_batch_size=0, max_seq_len=0,
                          max_request_bytes=config.max_request_bytes, throughput=0.0, version=peers.__version__)
-        serving = GraphServing(self.stage, self.graph_hash, self.trainers)
+        serving = GraphServing(self.stage, self.graph_hash, self.trainers, config.checkpoint_dir)
         sessions = SessionRegistry(cache_tokens=1, timeout=60.0, max_length_limit=1)  # no inference sessions
         handler = StageHandler(None, info, sessions, request_timeout=config.request_timeout, identity=identity,
                                require_encryption=config.require_encryption, admission=admission)

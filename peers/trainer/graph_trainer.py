@@ -81,13 +81,15 @@ class GraphTrainer:
 
     def __init__(self, spec: GraphSpec, swarm: SwarmConfig, *, optim: dict[str, Any] | None = None,
                  run_id: str = "graph-run", in_flight: int = 1, request_timeout: float = 60.0,
-                 wait_peers: float = 60.0, liveness_timeout: float = LIVENESS_TIMEOUT) -> None:
+                 wait_peers: float = 60.0, liveness_timeout: float = LIVENESS_TIMEOUT, checkpoint_every: int = 0
+                 ) -> None:
         if in_flight < 1:
             raise ValueError(f"in_flight must be at least 1, got {in_flight}")
         if not swarm.initial_peers:
             raise ValueError("GraphTrainer needs initial_peers: the line `swarm dht` printed")
         self.spec, self.swarm, self.optim = spec, swarm, dict(optim or {})
         self.run_id, self.in_flight, self.timeout, self.wait_peers = run_id, in_flight, request_timeout, wait_peers
+        self.checkpoint_every = checkpoint_every  # stages with a --checkpoint_dir save the run every this many steps
         self.graph = spec.trace()  # ValueError: unknown architecture, bad config
         self.graph_hash = graph_hash(self.graph)
         self.model_name = swarm_model_name(self.graph, self.graph_hash)
@@ -183,7 +185,8 @@ class GraphTrainer:
         streams = [await self.links.get(s.peer_id) for s in self.stages]
         replies = await asyncio.gather(*(
             stream.call(GraphOpen(run_id=self.run_id, arch=self.graph.arch, graph_hash=self.graph_hash,
-                                  start=s.start, end=s.end, optim=self.optim, shared=self._held().get(i, [])),
+                                  start=s.start, end=s.end, optim=self.optim, shared=self._held().get(i, []),
+                                  checkpoint_every=self.checkpoint_every),
                         None, self.timeout)
             for i, (s, stream) in enumerate(zip(self.stages, streams, strict=True))))
         steps = {reply.step for reply, _ in replies}

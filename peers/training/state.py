@@ -3,7 +3,8 @@
 A part is a stage's ``StageBlocks`` or the trainer's embedding + head (e.g. an ``nn.ModuleDict``).
 Layout of the folder: ``weights.safetensors`` (parameters by name, tied ones once),
 ``optimizer.safetensors`` (``<name>::exp_avg``, ``<name>::exp_avg_sq``, ``<name>::step``) and
-``state.json`` (step, parameter shapes, caller's meta such as the block range and optim config).
+``state.json`` (step, parameter shapes, caller's meta such as the block range and optim config); with ``buffers``
+also ``buffers.safetensors`` (the module's buffers, e.g. BatchNorm statistics of a graph stage).
 The folder is written under a temporary name and renamed into place, so a crash never leaves a
 half-written checkpoint at ``directory``.
 """
@@ -26,6 +27,7 @@ from peers.core.ids import safe_name
 WEIGHTS_FILE = "weights.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 STATE_FILE = "state.json"
+BUFFERS_FILE = "buffers.safetensors"
 FORMAT = 1
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
 TRAINER_DIR = "trainer"  # a run's trainer part: CHECKPOINT_DIR/<run_id>/trainer (``peers.trainer.state``)
@@ -46,15 +48,16 @@ def _named(module: nn.Module) -> dict[str, nn.Parameter]:
     return dict(module.named_parameters())  # de-duplicates tied parameters
 
 
-def save_stage_state(directory: str | Path, module: nn.Module, optimizer: torch.optim.Optimizer, step: int,
-                     meta: dict[str, Any]) -> Path:
-    """Write ``module``'s parameters, ``optimizer``'s AdamW state and ``step``/``meta`` to ``directory`` atomically."""
+def save_stage_state(directory: str | Path, module: nn.Module, optimizer: torch.optim.Optimizer | None, step: int,
+                     meta: dict[str, Any], *, buffers: bool = False) -> Path:
+    """Write ``module``'s parameters, ``optimizer``'s AdamW state (None: a part without parameters), ``step``/``meta``
+    and with ``buffers`` its buffers to ``directory`` atomically."""
     directory = Path(directory)
     params = _named(module)
     weights = {name: p.detach().to("cpu").contiguous() for name, p in params.items()}
     adam: dict[str, torch.Tensor] = {}
     for name, p in params.items():
-        state = optimizer.state.get(p, {})
+        state = optimizer.state.get(p, {}) if optimizer is not None else {}
         if all(k in state for k in _ADAM_KEYS):
             for k in _ADAM_KEYS:
                 t = state[k] if isinstance(state[k], torch.Tensor) else torch.tensor(float(state[k]))
@@ -66,6 +69,9 @@ def save_stage_state(directory: str | Path, module: nn.Module, optimizer: torch.
     try:
         save_file(weights, str(tmp / WEIGHTS_FILE))
         save_file(adam, str(tmp / OPTIMIZER_FILE))
+        if buffers:
+            kept = {k: b.detach().to("cpu").contiguous() for k, b in module.named_buffers()}
+            save_file(kept, str(tmp / BUFFERS_FILE))
         (tmp / STATE_FILE).write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
         old = None
         if directory.exists():
@@ -88,9 +94,10 @@ def read_state_info(directory: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def load_stage_state(directory: str | Path, module: nn.Module, optimizer: torch.optim.Optimizer, *,
-                     expect: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Load what ``save_stage_state`` wrote into ``module`` and ``optimizer``; return ``state.json``.
+def load_stage_state(directory: str | Path, module: nn.Module, optimizer: torch.optim.Optimizer | None, *,
+                     expect: dict[str, Any] | None = None, buffers: bool = False) -> dict[str, Any]:
+    """Load what ``save_stage_state`` wrote into ``module`` and ``optimizer`` (and with ``buffers`` its buffers);
+    return ``state.json``.
 
     Refuses (``ValueError``, nothing changed) a state whose ``expect`` entries (e.g. the block range),
     parameter names or shapes differ from this part.
@@ -116,10 +123,16 @@ def load_stage_state(directory: str | Path, module: nn.Module, optimizer: torch.
     if bad:
         raise ValueError(f"optimizer state at {directory} does not fit this part ({bad[:5]}): the files are "
                          "inconsistent; use another checkpoint")
+    kept = _buffers(directory, module) if buffers else {}
     with torch.no_grad():
+        for name, b in module.named_buffers():
+            if name in kept:
+                b.copy_(kept[name])
         for name, p in params.items():
             p.copy_(weights[name])
             keys = [f"{name}::{k}" for k in _ADAM_KEYS]
+            if optimizer is None:
+                continue
             if all(k in adam for k in keys):
                 avg, avg_sq, step = (adam[k] for k in keys)
                 optimizer.state[p] = {"step": step.reshape(()).clone(), "exp_avg": avg.to(p.device, p.dtype),
@@ -127,6 +140,21 @@ def load_stage_state(directory: str | Path, module: nn.Module, optimizer: torch.
             else:
                 optimizer.state.pop(p, None)
     return info
+
+
+def _buffers(directory: Path, module: nn.Module) -> dict[str, torch.Tensor]:
+    """The saved buffers, checked against ``module``'s (names, shapes, dtypes)."""
+    path = directory / BUFFERS_FILE
+    if not path.is_file():
+        raise ValueError(f"training state at {directory} has no {BUFFERS_FILE}: it was saved without the module's "
+                         "buffers; use a checkpoint saved by the matching part")
+    saved, own = load_file(str(path)), dict(module.named_buffers())
+    wrong = sorted(k for k in set(saved) | set(own) if k not in saved or k not in own
+                   or saved[k].shape != own[k].shape or saved[k].dtype != own[k].dtype)
+    if wrong:
+        raise ValueError(f"buffers at {directory} do not fit this part ({wrong[:5]}): was it saved for another "
+                         "graph or node range?")
+    return saved
 
 
 def load_weights(directory: str | Path, module: nn.Module, *, expect: dict[str, Any] | None = None) -> dict[str, Any]:

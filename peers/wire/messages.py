@@ -310,6 +310,7 @@ class GraphOpen(Message):
     # parameters this stage shares with another (a tied weight): each micro-batch's gradient of them is kept apart
     # (``GraphGrads``), so that the trainer adds the holders' parts in one process's order
     shared: list[str] = dataclasses.field(default_factory=list)
+    checkpoint_every: int = 0  # a stage with a --checkpoint_dir saves the run every this many steps (0: never)
 
 
 @dataclasses.dataclass(frozen=True)

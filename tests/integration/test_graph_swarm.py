@@ -33,7 +33,8 @@ def graph_swarm(tmp_path_factory) -> Iterator[tuple[LocalSwarm, GraphTrainer]]:
     bounds = [0, n // 3, 2 * n // 3, n]
     with LocalSwarm(tmp_path_factory.mktemp("graph_swarm"), update_period=2.0, train=True) as swarm:
         swarm.start_dht()
-        procs = [swarm.start_graph_peer("resnet50", nodes=f"{a}:{b}", extra=FLAGS, wait=False, name=f"graph{i}")
+        procs = [swarm.start_graph_peer("resnet50", nodes=f"{a}:{b}", extra=_checkpointed(swarm), wait=False,
+                                        name=f"graph{i}")
                  for i, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))]
         for proc in procs:
             swarm.wait_graph_ready(proc)
@@ -41,6 +42,23 @@ def graph_swarm(tmp_path_factory) -> Iterator[tuple[LocalSwarm, GraphTrainer]]:
                           request_timeout=30) as trainer:
             trainer.start()
             yield swarm, trainer
+
+
+def _checkpointed(swarm: LocalSwarm) -> list[str]:
+    return [*FLAGS, "--checkpoint_dir", str(swarm.workdir / "checkpoints")]
+
+
+def _reference_step(reference: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    micro: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """One process's step over ``micro``: each micro-batch's loss."""
+    losses = []
+    for x, y in micro:
+        loss = F.cross_entropy(reference(x), y)
+        (loss / len(micro)).backward()
+        losses.append(loss.detach())
+    optimizer.step()
+    optimizer.zero_grad()
+    return losses
 
 
 @pytest.fixture
@@ -84,13 +102,7 @@ def test_five_steps_equal_one_process(graph_swarm, one_thread):
         micro = [(torch.randn(2, 3, 32, 32, generator=gen), torch.randint(0, 10, (2,), generator=gen))
                  for _ in range(2)]
         losses = trainer.train_step(micro)
-        expected = []
-        for x, y in micro:
-            loss = F.cross_entropy(reference(x), y)
-            (loss / len(micro)).backward()
-            expected.append(loss.detach())
-        optimizer.step()
-        optimizer.zero_grad()
+        expected = _reference_step(reference, optimizer, micro)
         assert all(torch.equal(a, b) for a, b in zip(losses, expected, strict=True)), (losses, expected)
     assert trainer.step == 5
     state = trainer.fetch_state()
@@ -139,6 +151,39 @@ def test_bad_requests_are_refused_and_change_nothing(graph_swarm, swarm_cli):
         with pytest.raises(RequestError, match="not allowed to train here: this peer trains for trainer"):
             stranger.start()  # a fresh identity, which the peers' --trainers does not name
         assert torch.equal(stranger.forward(x["x"]), trainer.forward(x["x"]))  # inference is open to anyone admitted
+
+
+def test_a_restarted_stage_resumes_from_its_checkpoint(graph_swarm, one_thread):
+    """Protects: with ``--checkpoint_dir`` and ``checkpoint_every``, a stage peer stopped after 2 steps and started
+    again resumes the run from its checkpoint (weights, AdamW state, BatchNorm statistics, step): the trainer finds
+    every stage at step 2, and the third step equals one process's bit for bit. (Last of the ResNet tests: it
+    replaces a peer the module's trainer used.)"""
+    swarm, trainer = graph_swarm
+    reference = _reference(trainer).train()
+    optimizer = torch.optim.AdamW(reference.parameters(), **OPTIM)  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(1)
+    steps = [[(torch.randn(2, 3, 32, 32, generator=gen), torch.randint(0, 10, (2,), generator=gen))
+              for _ in range(2)] for _ in range(3)]
+    with GraphTrainer(SPEC, swarm.trainer_config(), optim=OPTIM, run_id="graph-resume", in_flight=2,
+                      request_timeout=30, checkpoint_every=1) as run:
+        run.start()
+        assert run.step == 0
+        for micro in steps[:2]:
+            run.train_step(micro)
+            _reference_step(reference, optimizer, micro)
+        middle = next(p for p in swarm.processes if p.name == "graph1")
+        nodes = "{}:{}".format(*middle.blocks)
+        middle.stop(timeout=15)
+        swarm.processes.remove(middle)
+        swarm.start_graph_peer("resnet50", nodes=nodes, extra=_checkpointed(swarm), name="graph1-restarted")
+        run.start()  # finds the stages again and re-opens the run on each
+        assert run.step == 2, "every stage resumed step 2"
+        assert run.stages[1].peer_id != middle.peer_id
+        losses = run.train_step(steps[2])
+        expected = _reference_step(reference, optimizer, steps[2])
+        assert all(torch.equal(a, b) for a, b in zip(losses, expected, strict=True)), (losses, expected)
+        state = run.fetch_state()
+    assert all(torch.equal(state[k], v) for k, v in reference.state_dict().items())
 
 
 @pytest.fixture(scope="module")
