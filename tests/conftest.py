@@ -13,7 +13,16 @@ from types import SimpleNamespace
 import pytest
 
 from peers.cli import main
+from peers.cli.launch import LocalSwarm
 from peers.model import make_tiny_model
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _small_link_probes() -> None:
+    """Stage peers started by tests probe with 1 MiB only (``--probe_max_mib 1``): on loopback every probe would
+    grow to 16 MiB, and a swarm of 8 peers would spend seconds of CPU sealing them. A test that reads rates sets
+    its ``LocalSwarm``'s ``probe_max_mib`` back to None."""
+    LocalSwarm.probe_max_mib = 1
 
 
 @pytest.fixture(scope="session")

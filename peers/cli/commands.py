@@ -21,6 +21,7 @@ from peers.cli.options import (
     device_flags,
     lan_swarm,
     model_name_flag,
+    probe_mib,
     route_flags,
     swarm_config,
     swarm_flags,
@@ -103,6 +104,10 @@ def _parser() -> argparse.ArgumentParser:
     peer.add_argument("--max_batch_tokens", type=int, default=2048,
                       help="tokens per batched forward: requests that arrive together are combined up to this")
     peer.add_argument("--max_request_bytes", type=int, default=64 << 20, help="larger requests are refused")
+    peer.add_argument("--probe_max_mib", type=probe_mib, default=16, metavar="MIB",
+                      help="the largest transfer of this peer's link probes, in MiB (default 16; probes grow from "
+                           "1 MiB only while a transfer is quick, so fast links read right): lower it on a metered "
+                           "line; 1 keeps every probe at 1 MiB")
     peer.add_argument("--request_timeout", type=float, default=60.0, help="deadline of one RPC, seconds")
     peer.add_argument("--update_period", type=float, default=15.0, help="seconds between announcements")
     peer.add_argument("--throughput", type=float, default=None,
@@ -246,7 +251,8 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         block_indices=args.block_indices, num_blocks=args.num_blocks, device=resolve_device(args.device),
         torch_dtype=args.torch_dtype, public_name=args.public_name, max_batch_size=args.max_batch_size,
         max_batch_tokens=args.max_batch_tokens, max_request_bytes=args.max_request_bytes,
-        request_timeout=args.request_timeout, update_period=args.update_period, throughput=args.throughput,
+        probe_max_bytes=int(args.probe_max_mib * (1 << 20)), request_timeout=args.request_timeout,
+        update_period=args.update_period, throughput=args.throughput,
         cache_dir=args.cache_dir, cache_tokens=args.cache_tokens, session_timeout=args.session_timeout,
         client_cache_share=args.client_cache_share, cache_wait=args.cache_wait,
         require_encryption=not args.allow_plaintext, trainers=parse_trainers(args.trainers),

@@ -92,10 +92,12 @@ class SwarmProcess:
         stop_all([self], timeout)
 
     def terminate(self) -> None:
-        """SIGTERM to the process only (it stops its own daemon after leaving); nothing if it has exited."""
+        """SIGTERM to the process only (it stops its own daemon after leaving), and SIGCONT so that a stopped one
+        (SIGSTOP, a test's frozen peer) gets it now rather than a SIGKILL after the timeout; nothing if it exited."""
         if self.popen.poll() is None:
             try:
                 os.kill(self.pid, signal.SIGTERM)
+                os.kill(self.pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
 
@@ -125,6 +127,8 @@ class LocalSwarm:
     With ``train``, every peer allows the swarm's trainer (``--trainers``, the peer id of ``trainer_config()``'s
     identity file) unless ``start_peer(trainers=...)`` says otherwise; without it, peers train for nobody.
     """
+
+    probe_max_mib: float | None = None  # stage peers' --probe_max_mib (None: theirs); the tests set 1 (loopback)
 
     def __init__(self, workdir: Path, *, update_period: float = 2.0, num_threads: int | None = 1,
                  private: bool = False, train: bool = False, lan: bool = False) -> None:
@@ -217,7 +221,9 @@ class LocalSwarm:
             "peer", str(model_dir), *(["--initial_peers", *self.initial_peers] if self.initial_peers else []), *blocks,
             "--update_period", str(self.update_period), "--cache_dir", str(self.workdir / "cache"),
             *(["--num_threads", str(self.num_threads)] if self.num_threads else []),
-            *(["--trainers", trainers] if trainers else []), *host_flags(host, extra), *extra,
+            *(["--trainers", trainers] if trainers else []), *host_flags(host, extra),
+            *(["--probe_max_mib", f"{self.probe_max_mib:g}"] if self.probe_max_mib and "--probe_max_mib" not in extra
+              else []), *extra,
         ]
         name = name or f"peer{len(self.processes)}"
         proc = self._spawn([*args, *self.member_flags(name)], name, host)

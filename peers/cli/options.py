@@ -22,6 +22,18 @@ MODEL_HELP = ("model folder (Hugging Face layout: config.json, *.safetensors, to
               "found in the local Hugging Face cache (offline; `hf download org/name` fetches it)")
 
 
+def probe_mib(text: str) -> float:
+    """``--probe_max_mib``: 1 to 16 (MiB; a peer refuses larger probe transfers)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MiB between 1 and 16, got {text!r}") from None
+    if not 1 <= value <= 16:
+        raise argparse.ArgumentTypeError(f"expected MiB between 1 and 16 (a probe starts at 1 MiB; peers refuse more "
+                                         f"than 16), got {text}")
+    return value
+
+
 def model_name_flag(parser: argparse.ArgumentParser) -> None:
     """``--model_name``: the model's name in the swarm (its DHT key), for every command that names a model."""
     parser.add_argument("--model_name", default=None,

@@ -96,6 +96,7 @@ class StageServerConfig:
     max_batch_size: int = 8  # rows per request
     max_batch_tokens: int = 2048  # tokens per batched forward (requests that arrive together are combined)
     max_request_bytes: int = 64 << 20  # larger requests are refused
+    probe_max_bytes: int = 16 << 20  # the largest transfer of our link probes (--probe_max_mib; see peers.wire.probe)
     request_timeout: float = 60.0  # seconds: deadline of one RPC on this peer
     update_period: float = 15.0  # seconds between announcements; a record expires after ~2 periods
     throughput: float | None = None  # tokens/s per block; None: measure once and cache

@@ -12,7 +12,7 @@ import logging
 import random
 from collections.abc import Awaitable, Callable
 
-from peers.wire.probe import probe_into
+from peers.wire.probe import PROBE_LARGEST, probe_into
 from peers.wire.stream import PeerStream
 from swarm.links import LinkTable
 from swarm.records import LinkRow, PeerRecord, PeerState
@@ -31,9 +31,10 @@ class LinkProber:
 
     def __init__(self, table: LinkTable, stream_for: Callable[[str], Awaitable[PeerStream]],
                  fetch: Callable[[], Awaitable[list[PeerRecord]]], own_id: str,
-                 publish: Callable[[tuple[LinkRow, ...], bool], None], *, period: float = PROBE_PERIOD) -> None:
+                 publish: Callable[[tuple[LinkRow, ...], bool], None], *, period: float = PROBE_PERIOD,
+                 largest: int = PROBE_LARGEST) -> None:
         self.table, self.stream_for, self.fetch, self.own_id = table, stream_for, fetch, own_id
-        self.publish, self.period = publish, period
+        self.publish, self.period, self.largest = publish, period, largest
         self.probed = 0  # probes that succeeded (for tests and logs)
 
     def targets(self, records: list[PeerRecord]) -> list[str]:
@@ -55,7 +56,7 @@ class LinkProber:
             logger.debug("Link probes: could not fetch the swarm's records: %r", e)
             return 0
         done = await probe_into(self.table, self.stream_for, self.targets(records), timeout=PROBE_TIMEOUT,
-                                why="tried again next round")
+                                why="tried again next round", largest=self.largest)
         self.probed += done
         self.publish(self.table.best_rows(), done > 0)
         return done

@@ -394,7 +394,7 @@ class StageServer:
             announcer.update(links=rows, wake=wake)
             self.record = announcer.record
 
-        return LinkProber(self.link_table, links.get, fetch, peer_id, publish)
+        return LinkProber(self.link_table, links.get, fetch, peer_id, publish, largest=self.config.probe_max_bytes)
 
     def _training(self, blocks, info: StageInfo, *, moved: str = "", carried_step: int = 0) -> TrainingRPC | None:
         """The training side, if the operator allows trainers (``--trainers``): it trains the weights we serve. After

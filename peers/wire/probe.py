@@ -100,7 +100,8 @@ def unmeasured(table: LinkTable, peer_ids: Iterable[str]) -> list[str]:
 
 
 async def probe_into(table: LinkTable, stream_for: Callable[[str], Awaitable[PeerStream]], peer_ids: Iterable[str],
-                     *, timeout: float = PROBE_TIMEOUT, why: str = "its link keeps what was known") -> int:
+                     *, timeout: float = PROBE_TIMEOUT, why: str = "its link keeps what was known",
+                     largest: int = PROBE_LARGEST) -> int:
     """Probe the links to ``peer_ids`` one after the other (parallel probes would share our own uplink and read
     each link slower than it is), into ``table``; how many succeeded. A peer that is gone or refuses (its rate
     limit, an older version) is skipped, saying ``why`` that is fine."""
@@ -108,7 +109,7 @@ async def probe_into(table: LinkTable, stream_for: Callable[[str], Awaitable[Pee
     for peer_id in peer_ids:
         try:
             stream = await asyncio.wait_for(stream_for(peer_id), timeout)
-            result = await asyncio.wait_for(probe_link(stream, timeout=timeout), timeout)
+            result = await asyncio.wait_for(probe_link(stream, timeout=timeout, largest=largest), timeout)
         except Exception as e:
             logger.info("Link probe to %s failed (%s): %s", short_id(peer_id), why, e)
             continue

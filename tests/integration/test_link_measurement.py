@@ -87,6 +87,9 @@ def test_a_joining_peer_probes_the_others_and_publishes_its_links(probed_swarm, 
     text = console.export_text()
     assert f"...{others[0].peer_id[-4:]} " in text and "bit/s" in text and " ms" in text  # its best links
     assert "Link probe to" not in joiner.log()  # every probe answered
+    # the tests' peers cap their probes at 1 MiB (--probe_max_mib 1, tests/conftest.py): loopback grows none
+    assert LocalSwarm.probe_max_mib == 1 and joiner.log().count(" 1 MiB in ") >= 2
+    assert " 4 MiB in " not in joiner.log() and " 16 MiB in " not in joiner.log()
 
 
 def test_bad_probes_are_refused_and_the_peer_keeps_serving(llama_swarm, llama_client, llama_dir):
