@@ -24,7 +24,9 @@ bound every configuration once both directions of the slow link carried traffic 
 forwards and backwards in one order, which kept one direction idle at a time).
 
 Configurations (``--configs``, ``COMPRESSION/STALENESS``): ``TrainConfig.compression`` "none" | "fp16" | "int8" |
-"adaptive" (AdaTopK) and ``TrainConfig.staleness`` 0 | 1, passed to ``SwarmTrainer`` as keyword arguments; one a
+"adaptive" (AdaTopK) and ``TrainConfig.staleness`` 0 | 1 | 1all (1: the first micro-batch of each step starts while
+the previous step drains, ``stale_micro_batches`` 1, the default; 1all: all of them, as staleness 1 was first built),
+passed to ``SwarmTrainer`` as keyword arguments; one a
 checkout does not have yet is skipped and the JSON says why. Every configuration is its own run (its own run id)
 whose stages start from the same step-0 checkpoint of the same initial weights (``train.write_initial_state``), with
 a fresh trainer (the same initial embedding and head) on the same micro-batches (same seed, same number of steps:
@@ -126,25 +128,28 @@ def optim(steps: int) -> dict:
             "weight_decay": 0.01}
 
 
-def parse_configs(text: str) -> list[tuple[str, int]]:
-    """``"none/0,adaptive/1"`` -> [("none", 0), ("adaptive", 1)]; ValueError saying what is allowed."""
+STALENESS = ("0", "1", "1all")
+
+
+def parse_configs(text: str) -> list[tuple[str, str]]:
+    """``"none/0,adaptive/1"`` -> [("none", "0"), ("adaptive", "1")]; ValueError saying what is allowed."""
     out = []
     for item in (t.strip() for t in text.split(",") if t.strip()):
         compression, _, stale = item.partition("/")
-        if compression not in COMPRESSIONS or stale not in ("0", "1"):
+        if compression not in COMPRESSIONS or stale not in STALENESS:
             raise ValueError(f"--configs: {item!r} is not COMPRESSION/STALENESS with COMPRESSION one of "
-                             f"{', '.join(COMPRESSIONS)} and STALENESS 0 or 1")
-        out.append((compression, int(stale)))
+                             f"{', '.join(COMPRESSIONS)} and STALENESS one of {', '.join(STALENESS)}")
+        out.append((compression, stale))
     if not out or len(set(out)) != len(out):
         raise ValueError("--configs: give at least one configuration, each once")
     return out
 
 
-def label(compression: str, staleness: int) -> str:
+def label(compression: str, staleness: str) -> str:
     return f"{compression}/{staleness}"
 
 
-def run_id(compression: str, staleness: int) -> str:
+def run_id(compression: str, staleness: str) -> str:
     return f"slow-{compression}-s{staleness}"
 
 
@@ -198,9 +203,10 @@ def summarise(runs: dict[str, dict]) -> dict:
     for key, v in done.items():
         compression, _, s = key.partition("/")
         base = done.get(f"{compression}/0")
-        if s == "1" and base:
-            stale[compression] = {"speedup": round(v["tokens_per_s"] / base["tokens_per_s"], 2),
-                                  "held_out_loss_rel": round(v["held_out_loss"] / base["held_out_loss"] - 1, 4)}
+        if s != "0" and base:
+            name = compression if s == "1" else f"{compression} ({s})"
+            stale[name] = {"speedup": round(v["tokens_per_s"] / base["tokens_per_s"], 2),
+                           "held_out_loss_rel": round(v["held_out_loss"] / base["held_out_loss"] - 1, 4)}
     out["staleness_1_vs_0"] = stale
 
     def target(key: str, min_speedup: float, against: dict | None) -> bool | None:

@@ -31,12 +31,16 @@ from peers.trainer.state import save_trainer_state, trainer_checkpoint_path
 from peers.trainer.swarm_trainer import StepResult, SwarmTrainer
 from peers.training import OptimConfig, TokenBatches, TrainConfig, encode_bytes, read_corpus
 
-DEFAULTS = {"compression": "none", "staleness": 0}  # today's behaviour: a run that sets these needs no option
+DEFAULTS = {"compression": "none", "staleness": 0, "stale_micro_batches": 1}  # a run that sets these needs nothing
 
 
-def run_options(compression: str, staleness: int) -> tuple[dict, str | None]:
-    """The ``SwarmTrainer`` keyword arguments for the setting, or why this checkout cannot run it."""
-    wanted = {"compression": compression, "staleness": staleness}
+def run_options(compression: str, staleness: int | str) -> tuple[dict, str | None]:
+    """The ``SwarmTrainer`` keyword arguments for the setting (staleness "1all": every micro-batch of a step stale),
+    or why this checkout cannot run it."""
+    stale = str(staleness)
+    wanted: dict = {"compression": compression, "staleness": int(stale[0])}
+    if stale == "1all":
+        wanted["stale_micro_batches"] = None
     config = {f.name for f in dataclasses.fields(TrainConfig)}
     takes = inspect.signature(SwarmTrainer).parameters
     options: dict = {}

@@ -196,6 +196,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                                pipeline_wait=args.wait_peers,  # also for a stage's peer that restarts mid-run
                                topology=topology, plan=args.plan, compression=config.compression,
                                staleness=config.staleness if args.staleness is None else args.staleness,
+                               stale_micro_batches=config.stale_micro_batches or None,
                                adapter=config.adapter, adapter_seed=config.seed,
                                prompts=config.prompts, deep_prompts=config.deep_prompts, prompt_seed=config.seed)
         path = trainer_checkpoint_path(config.checkpoint_dir, run_id) if config.checkpoint_dir else None

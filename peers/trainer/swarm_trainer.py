@@ -62,7 +62,7 @@ from peers.trainer.run_plan import RunPlanner
 from peers.trainer.step_run import StepRun
 from peers.training import OptimConfig, PartOptimizer, loss_of, unique_parameters
 from peers.training.lora import parse_adapter
-from peers.training.versions import WeightVersions
+from peers.training.versions import WeightVersions, check_stale_micro_batches
 from peers.wire.errors import ChainError, MovedError, RequestError
 from peers.wire.messages import TrainApply, TrainBackward, TrainForward, TrainOpen
 from privacy.errors import MembershipError
@@ -108,12 +108,14 @@ class SwarmTrainer:
                  checkpoint_every: int = 0, average_every: int = 0, outer_lr: float = 1.0,
                  outer_momentum: float = 0.0, rechoose_every: float = 30.0, pipeline_wait: float = 60.0,
                  topology: str = "chain", plan: bool = False, compression: str = "none",
-                 stage_compression: dict[int, str] | None = None, staleness: int = 0, adapter: str = "",
+                 stage_compression: dict[int, str] | None = None, staleness: int = 0,
+                 stale_micro_batches: int | None = 1, adapter: str = "",
                  adapter_seed: int = 0, prompts: int = 0, deep_prompts: bool = False, prompt_seed: int = 0) -> None:
         if accumulation < 1 or in_flight < 1:
             raise ValueError("accumulation and in_flight must be >= 1")
         if staleness not in (0, 1):
             raise ValueError(f"staleness must be 0 (synchronous steps) or 1 (asynchronous), got {staleness}")
+        check_stale_micro_batches(stale_micro_batches)
         if staleness and recompute:
             raise ValueError("staleness 1 needs stages that keep each micro-batch's input (recompute=False)")
         # how the run's tensors travel (``swarm.compression``): the trainer's own sends, and each stage's unless
@@ -166,6 +168,7 @@ class SwarmTrainer:
         self.planner = RunPlanner(self) if plan else None
         # staleness 1: a step's gradients are taken at the weights before the previous step (``StepRun``)
         self.staleness = staleness
+        self.stale_micro_batches = stale_micro_batches  # of each step's: on the old weights (None: all)
         self.versions = WeightVersions(self.part.params)  # the trainer part's kept weights (staleness 1)
         self._ahead: StepRun | None = None  # the next step, started while the last one drained (staleness 1)
         self._gate: asyncio.Semaphore | None = None  # micro-batches in flight, over both steps
@@ -398,7 +401,8 @@ class SwarmTrainer:
         back = 0 if ahead else 1
         own = self.versions.at(self.part.step_count - back, self.part.step_count)
         at_steps = {peer: step - back for peer, step in self._peer_steps.items()}
-        return StepRun(self.steps_done + ahead, batches, spans, own=own, at_steps=at_steps, **common)
+        return StepRun(self.steps_done + ahead, batches, spans, own=own, at_steps=at_steps,
+                       stale_upto=self.stale_micro_batches, **common)
 
     async def _one(self, run: StepRun, input_ids: torch.Tensor, index: int) -> float:
         if self.prompts is not None:

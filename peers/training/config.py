@@ -143,6 +143,7 @@ _TRAIN_TYPES = {
     "checkpoint_dir": "path?", "checkpoint_every": "int", "seed": "int", "keep_activations": "bool",
     "compression": "str",
     "staleness": "int",
+    "stale_micro_batches": "int",
     "adapter": "str",
     "prompts": "int", "deep_prompts": "bool",
 }
@@ -178,6 +179,9 @@ class TrainConfig:
     # codec ("fp16", "bf16", "int8", "topk:0.1/int8") or "adaptive" (AdaTopK per link and direction)
     compression: str = "none"
     staleness: int = 0  # 1: asynchronous steps (each step's gradients at the weights before the previous update)
+    # with staleness 1: how many of a step's micro-batches start before the previous step is applied (on the weights
+    # from before it); the others wait for it. 0: all of them (the most overlap, and the most loss: see the README)
+    stale_micro_batches: int = 1
     # prompt tuning (``peers.training.prompts``): ``prompts`` trainable vectors owned by the trainer, prepended to the
     # input; with ``deep_prompts`` also one set per block, added to those positions before each block. The served
     # model (blocks, embedding, head) stays frozen: only the prompts train
@@ -200,6 +204,8 @@ class TrainConfig:
         if self.staleness not in (0, 1):
             problems.append(f"staleness must be 0 (synchronous steps, bit-exact with one process) or 1 "
                             f"(asynchronous: the next step starts while one drains), got {self.staleness}")
+        if self.stale_micro_batches < 0:
+            problems.append(f"stale_micro_batches must be >= 0 (0: all of a step's), got {self.stale_micro_batches}")
         if self.prompts < 0 or (self.deep_prompts and not self.prompts):
             problems.append(f"prompts must be >= 0 (0: no prompt tuning) and deep_prompts needs prompts >= 1, got "
                             f"prompts={self.prompts}, deep_prompts={self.deep_prompts}")

@@ -1,14 +1,15 @@
 """``LocalTrainer``: the whole model trained in one process with plain autograd; the numerical reference.
 
-It splits the parameters into the same parts as the swarm (the trainer's embedding + head, and one
-part per stage range) and gives each part its own AdamW and its own grad-norm clipping, so a swarm
-run with the same stage ranges must reproduce its parameters and losses. With ``staleness=1`` each step's gradients
-are taken at the weights from before the previous step (w[n+1] = w[n] - lr * g(w[n-1]); the first step at w[0]),
-as a swarm run with asynchronous steps computes them: the old weights are copied in for the forwards and backwards,
-and the current ones back for the optimizer step. With ``adapter`` (a LoRA spec, ``peers.training.lora``) only each
-stage's adapter trains, made from ``seed`` as a stage peer makes it; the embedding, head and blocks stay frozen. With
-``prompts`` (prompt tuning, ``peers.training.prompts``) the model is frozen and the only part is the prompts, as on a
-swarm run with prompts. A run has adapters or prompts, not both.
+It splits the parameters into the same parts as the swarm (the trainer's embedding + head, and one part per stage
+range) and gives each part its own AdamW and its own grad-norm clipping, so a swarm run with the same stage ranges
+must reproduce its parameters and losses. With ``staleness=1`` the first ``stale_micro_batches`` micro-batches of each
+step take their gradients at the weights from before the previous step (all of them: w[n+1] = w[n] - lr * g(w[n-1]);
+the first step at w[0]) and the others at the current ones, as a swarm run with asynchronous steps computes them: the
+old weights are copied in for the stale micro-batches, and the current ones back for the others and the optimizer
+step. With ``adapter`` (a LoRA spec, ``peers.training.lora``) only each stage's adapter trains, made from ``seed`` as
+a stage peer makes it; the embedding, head and blocks stay frozen. With ``prompts`` (prompt tuning,
+``peers.training.prompts``) the model is frozen and the only part is the prompts, as on a swarm run with prompts. A
+run has adapters or prompts, not both.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .config import OptimConfig
 from .lora import LoraAdapter, parse_adapter
 from .part import PartOptimizer, unique_parameters
 from .prompts import Prompts, prompt_parameters, run_blocks, token_positions
+from .versions import check_stale_micro_batches
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +62,15 @@ class LocalTrainer:
 
     def __init__(self, model_dir: str | Path, optim: OptimConfig, accumulation: int, *,
                  stages: Sequence[tuple[int, int]] | None = None, device: str | torch.device = "cpu",
-                 dtype: torch.dtype | None = torch.float32, staleness: int = 0, adapter: str = "", prompts: int = 0,
-                 deep_prompts: bool = False, seed: int = 0) -> None:
+                 dtype: torch.dtype | None = torch.float32, staleness: int = 0, stale_micro_batches: int | None = 1,
+                 adapter: str = "", prompts: int = 0, deep_prompts: bool = False, seed: int = 0) -> None:
         if accumulation < 1:
             raise ValueError(f"accumulation must be >= 1, got {accumulation}")
         if staleness not in (0, 1):
             raise ValueError(f"staleness must be 0 or 1, got {staleness}")
+        check_stale_micro_batches(stale_micro_batches)
         self.staleness = staleness
+        self.stale_micro_batches = stale_micro_batches  # staleness 1: how many of a step's run on the old weights
         self._before: list[torch.Tensor] | None = None  # staleness 1: every weight before the last step
         self.config = ModelConfig.from_dir(model_dir)
         self.accumulation = accumulation
@@ -135,7 +139,9 @@ class LocalTrainer:
         if self._before is not None:
             _copy(params, self._before)  # staleness 1: the gradients are taken at the weights before the last step
         total = 0.0
-        for input_ids in micro_batches:
+        for i, input_ids in enumerate(micro_batches):
+            if now is not None and i == self.stale_micro_batches:
+                _copy(params, now)  # the rest of the step: the current weights
             loss = loss_of(self.logits(input_ids), input_ids) / self.accumulation
             loss.backward()
             total += loss.item()

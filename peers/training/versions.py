@@ -16,6 +16,13 @@ import torch
 from torch import nn
 
 
+def check_stale_micro_batches(count: int | None) -> None:
+    """Staleness 1: ``count`` micro-batches of a step start on the weights from before the previous step (None: all
+    of them); at least 1, or the step would overlap nothing."""
+    if count is not None and count < 1:
+        raise ValueError(f"stale_micro_batches must be >= 1 (None: all of a step's), got {count}")
+
+
 def snapshot(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Detached copies of ``params`` (leaves that take gradients where the originals do)."""
     with torch.no_grad():

@@ -17,19 +17,20 @@ STEPS, ACCUMULATION = 5, 3
 STAGES = [(0, 3), (3, 6), (6, 8)]
 
 
-@pytest.mark.parametrize("topology", ["chain", "star"])
-def test_staleness_one_equals_its_local_schedule(train_stages, served_weights, llama_dir, topology):
+@pytest.mark.parametrize("topology, stale", [("chain", 1), ("star", None)])
+def test_staleness_one_equals_its_local_schedule(train_stages, served_weights, llama_dir, topology, stale):
     """On the stage peers shared with other modules (``conftest.py``): both references start from the weights
-    they serve when the run starts (earlier runs trained them)."""
+    they serve when the run starts (earlier runs trained them). ``stale``: how many of a step's micro-batches start
+    while the previous step drains (the default 1 in the chain, all of them in the star)."""
     swarm, procs = train_stages
     config = ClientConfig(swarm=swarm.trainer_config(), request_timeout=30)
     with SwarmClient(llama_dir, config=config) as client:
         client.wait_for_records(3)
-        reference = served_weights(client, LocalTrainer(llama_dir, OPTIM, ACCUMULATION, stages=STAGES, staleness=1),
-                                   procs)
+        reference = served_weights(client, LocalTrainer(llama_dir, OPTIM, ACCUMULATION, stages=STAGES, staleness=1,
+                                                        stale_micro_batches=stale), procs)
         synchronous = served_weights(client, LocalTrainer(llama_dir, OPTIM, ACCUMULATION, stages=STAGES), procs)
         trainer = SwarmTrainer(client, OPTIM, ACCUMULATION, in_flight=3, run_id=f"stale-{topology}",
-                               topology=topology, staleness=1)
+                               topology=topology, staleness=1, stale_micro_batches=stale)
         trainer.start()
         data = TokenBatches(encode_bytes(TEXT), seq_len=16, micro_batch=2, seed=1)
         steps = [[data.next_micro() for _ in range(ACCUMULATION)] for _ in range(STEPS)]

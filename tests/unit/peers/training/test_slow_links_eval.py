@@ -38,7 +38,7 @@ def test_final_model_puts_each_part_where_it_belongs(tmp_path):
     model_dir = make_tiny_model(tmp_path / "m", hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
                                 intermediate_size=64)
     gen = torch.Generator().manual_seed(1)
-    checkpoints, run = tmp_path / "ckpt", slow_links.run_id("adaptive:1", 0)  # ":" is not kept in file names
+    checkpoints, run = tmp_path / "ckpt", slow_links.run_id("adaptive:1", "0")  # ":" is not kept in file names
     trained = []
     for start, end in SPANS:  # each stage "trained": its own changes, saved as a stage saves them
         blocks = load_blocks(model_dir, start, end)
@@ -64,8 +64,9 @@ def test_final_model_puts_each_part_where_it_belongs(tmp_path):
 
 
 def test_configs_parse_and_refuse_what_does_not_exist():
-    assert slow_links.parse_configs("none/0, adaptive/1") == [("none", 0), ("adaptive", 1)]
-    for bad in ("topk/0", "none/2", "none", "none/0,none/0", ""):
+    assert slow_links.parse_configs("none/0, adaptive/1, none/1all") == [("none", "0"), ("adaptive", "1"),
+                                                                         ("none", "1all")]
+    for bad in ("topk/0", "none/2", "none/0all", "none", "none/0,none/0", ""):
         with pytest.raises(ValueError, match="--configs"):
             slow_links.parse_configs(bad)
 

@@ -141,7 +141,7 @@ def test_local_reference_takes_gradients_one_step_back(model_dir: Path) -> None:
     data = TokenBatches(encode_bytes("staleness one: gradients one step old. " * 30), seq_len=12, micro_batch=2,
                         seed=1)
     steps = [[data.next_micro() for _ in range(2)] for _ in range(3)]
-    stale = LocalTrainer(model_dir, optim, 2, stages=[(0, 1), (1, 2)], staleness=1)
+    stale = LocalTrainer(model_dir, optim, 2, stages=[(0, 1), (1, 2)], staleness=1, stale_micro_batches=None)
     sync = LocalTrainer(model_dir, optim, 2, stages=[(0, 1), (1, 2)])
 
     def mean_loss(trainer: LocalTrainer, micro: list[torch.Tensor]) -> float:
@@ -152,3 +152,20 @@ def test_local_reference_takes_gradients_one_step_back(model_dir: Path) -> None:
     assert stale.train_step(steps[1]) == pytest.approx(w0, abs=1e-6)  # at w0, not w1
     assert stale.train_step(steps[2]) == pytest.approx(mean_loss(sync, steps[2]), abs=1e-6)  # at w1 (sync holds w1)
     assert mean_loss(sync, steps[1]) != pytest.approx(w0, abs=1e-6)
+
+
+def test_only_the_first_micro_batches_of_a_step_are_stale(model_dir: Path) -> None:
+    """``stale_micro_batches=1`` (the default): step 2's first micro-batch runs at w0, its second at w1; a count
+    below 1 is refused."""
+    optim = OptimConfig(lr=1e-2, warmup_steps=0, schedule="constant")
+    data = TokenBatches(encode_bytes("one stale micro-batch, the rest fresh. " * 30), seq_len=12, micro_batch=2, seed=2)
+    steps = [[data.next_micro() for _ in range(2)] for _ in range(2)]
+    at_w0 = LocalTrainer(model_dir, optim, 2, stages=[(0, 1), (1, 2)])
+    sync = LocalTrainer(model_dir, optim, 2, stages=[(0, 1), (1, 2)])
+    partial = LocalTrainer(model_dir, optim, 2, stages=[(0, 1), (1, 2)], staleness=1)
+    assert partial.train_step(steps[0]) == pytest.approx(sync.train_step(steps[0]), abs=1e-6)
+    expected = (at_w0.evaluate(steps[1][0]) + sync.evaluate(steps[1][1])) / 2  # sync holds w1 now
+    assert partial.train_step(steps[1]) == pytest.approx(expected, abs=1e-6)
+    assert at_w0.evaluate(steps[1][1]) != pytest.approx(sync.evaluate(steps[1][1]), abs=1e-6)  # w0 and w1 differ
+    with pytest.raises(ValueError, match="stale_micro_batches must be >= 1"):
+        LocalTrainer(model_dir, optim, 2, staleness=1, stale_micro_batches=0)
