@@ -67,12 +67,14 @@ from rich.console import Console  # noqa: E402
 from train import write_initial_state  # noqa: E402
 
 from peers.cli.launch import LocalSwarm, SwarmProcess  # noqa: E402
-from peers.model import make_tiny_model  # noqa: E402
+from peers.model import ModelConfig, make_tiny_model  # noqa: E402
+from peers.server.block_timing import compute_key  # noqa: E402
 from peers.training import OptimConfig  # noqa: E402
 from privacy.identity import Identity  # noqa: E402
 from privacy.peer_ids import peer_id_of  # noqa: E402
 from swarm.block_selection import choose_blocks  # noqa: E402
 from swarm.estimator import CLIENT, ClientCompute, Compute, ModelShape, Pipeline, Stage, estimate_training  # noqa: E402
+from swarm.measure import cached_compute  # noqa: E402
 from swarm.records import PeerRecord, PeerState  # noqa: E402
 from swarm.testbed import Testbed, require_root  # noqa: E402
 from swarm.testbed.cleanup import leftovers, nothing_left  # noqa: E402
@@ -358,6 +360,12 @@ def run_matrix(matrix: Matrix, args: argparse.Namespace, model_dir: Path, block:
     result: dict = {"description": matrix.description, "runs": {a: [] for a in args.arrangements}}
     with Testbed(HOSTS, matrix, prefix=prefix, workdir=workdir / "tb") as tb, \
             LocalSwarm(workdir / "swarm", update_period=5.0, train=True) as swarm:
+        swarm.probe_max_mib = args.probe_max_mib
+        # every peer announces the block compute timed quietly above: they share one compute cache, and a peer
+        # timing its block while nine others start on the same 2 cores read it up to 35x slow (a testbed artifact:
+        # real hosts have their own cores), which skewed every live plan priced from the records
+        config = ModelConfig.from_dir(model_dir)
+        cached_compute(swarm.workdir / "cache", compute_key(config, "cpu", "torch.float32"), lambda: block)
         result["sites"] = {h.name: h.site for h in tb.hosts}
         result["rates_bits_per_s"] = tb.describe()["rates_bits_per_s"]
         swarm.start_dht(host=tb.hosts[DHT_HOST])
@@ -425,6 +433,8 @@ def main() -> None:
                         help="three_sites, the plan arrangement, 2 steps, no churn: a check that it works")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "plan_testbed.json")
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--probe_max_mib", type=float, default=None,
+                        help="the stage peers' --probe_max_mib (default: theirs, 16)")
     args = parser.parse_args()
     matrices = ["three_sites"] if args.quick else [m for m in args.matrices.split(",") if m]
     chosen = args.arrangements or ("plan" if args.quick else ",".join(ARRANGEMENTS))
@@ -450,6 +460,7 @@ def main() -> None:
     result: dict = {"benchmark": "plan_testbed", "quick": args.quick,
                     "machine": f"{platform.machine()}, {os.cpu_count()} cores",
                     "model": {**MODEL, "dtype": "float32"}, "seed": args.seed, "repeats": args.repeats,
+                    "probe_max_mib": args.probe_max_mib or 16,
                     "hosts": {f"h{DHT_HOST}": "bootstrap", f"h{TRAINER_HOST}": "trainer",
                               **{f"h{h}": f"peer, memory {MAX_BLOCKS[h]} blocks" for h in PEER_HOSTS}},
                     "train": {**TRAIN, "steps": args.steps, "topology": "chain", "optim": optim(args.steps)},

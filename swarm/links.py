@@ -25,6 +25,7 @@ ALPHA = 0.2  # EMA weight of a new sample
 CLIP = 2.0  # a sample is clipped into [median / CLIP, median * CLIP] of the recent samples before it is averaged
 WINDOW = 7  # recent samples the clip's median is taken over
 MAX_NEIGHBOURS = 256  # a table forgets its oldest neighbours beyond this
+PROBE_TRUST_AGE = 600.0  # seconds a probe's bandwidth reading counts as the link's capacity (``LinkEstimate.capacity``)
 
 # Conservative defaults for a link nobody has measured yet (a newcomer is usable at once, but measured links win):
 DEFAULT_RTT = 0.05  # seconds: a wide-area round trip (loopback is ~0.5 ms, a continent ~20-80 ms)
@@ -77,6 +78,8 @@ class LinkState:
     updated: float = 0.0  # ``clock()`` of the last sample
     source: str = "passive"  # of the last sample
     recent: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=16))  # (wall, compute) seen
+    probed: float = 0.0  # bits/s the last probe transfer read (0: none)
+    probed_at: float = -math.inf  # ``clock()`` of that probe
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,14 @@ class LinkEstimate:
     source: str
     bandwidth_known: bool = True
     reverse: bool = False
+    probed: float = 0.0  # bits/s a probe read within ``PROBE_TRUST_AGE`` (0: none)
+
+    @property
+    def capacity(self) -> float:
+        """The bits/s a transfer can expect: the larger of the estimate and a recent probe's reading. A passive
+        sample can only under-read a link (its reply may wait behind the other direction's traffic, as on a link
+        busy both ways), never over-read it, so a probe of the idle link is the better guide to what a send takes."""
+        return max(self.bandwidth, self.probed)
 
     def transfer_time(self, nbytes: float) -> float:
         """Seconds to move ``nbytes`` over this link, one way: half a round trip plus the bytes at its bandwidth."""
@@ -125,6 +136,8 @@ class LinkTable:
                 return False
             state = self._state(peer_id)
             state.bandwidth.add(8 * nbytes / transfer)
+            if source == "probe":
+                state.probed, state.probed_at = 8 * nbytes / transfer, self.clock()
         else:
             return False
         state.updated, state.source = self.clock(), source
@@ -145,9 +158,11 @@ class LinkTable:
         if state is None:
             return None
         rtt, bandwidth = state.rtt.value, state.bandwidth.value
+        recent = self.clock() - state.probed_at <= PROBE_TRUST_AGE
         return LinkEstimate(bandwidth if bandwidth is not None else DEFAULT_BANDWIDTH,
                             rtt if rtt is not None else DEFAULT_RTT, max(0.0, self.clock() - state.updated),
-                            state.source, bandwidth_known=bandwidth is not None)
+                            state.source, bandwidth_known=bandwidth is not None,
+                            probed=state.probed if recent else 0.0)
 
     def rtts(self) -> dict[str, float]:
         """Measured network round trips per neighbour (what the router adds per hop)."""
@@ -186,7 +201,8 @@ def link_between(a: str, b: str, records: Iterable[PeerRecord], local: LinkTable
     if (row := _row(by_peer.get(a), b)) is not None:
         return _from_row(row, reverse=False)
     if local is not None and local_id is not None and b == local_id and (mine := local.get(a)) is not None:
-        return LinkEstimate(mine.bandwidth, mine.rtt, mine.age, mine.source, mine.bandwidth_known, reverse=True)
+        return LinkEstimate(mine.bandwidth, mine.rtt, mine.age, mine.source, mine.bandwidth_known, reverse=True,
+                            probed=mine.probed)
     if (row := _row(by_peer.get(b), a)) is not None:
         return _from_row(row, reverse=True)
     return DEFAULT_LINK

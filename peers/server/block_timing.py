@@ -9,6 +9,12 @@ from swarm.measure import Compute, time_per_call
 MEASURE_TOKENS = 128  # tokens per measured forward of one block
 
 
+def compute_key(config, device: torch.device | str, dtype: torch.dtype | str) -> str:
+    """The key a peer caches its block timing under (``swarm.measure.cached_compute``): model shape, device, dtype."""
+    return (f"{config.family}-h{config.hidden_size}-i{config.intermediate_size}-kv{config.num_kv_heads}"
+            f"-{device}-{dtype}")
+
+
 def measure_block(block, hidden_size: int, device: torch.device, dtype: torch.dtype,
                   tokens: int = MEASURE_TOKENS) -> Compute:
     """Median forward and backward time of ``block`` on ``tokens`` tokens, per token. The backward is that of the

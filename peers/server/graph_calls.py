@@ -17,7 +17,7 @@ from peers.model.graph.trace import EdgeSpec
 from peers.server.calls import Call, Responses, StreamCalls, reply
 from peers.server.graph_runs import GraphServing
 from peers.server.stream_handler import StreamHandler
-from peers.wire.edges import edge_messages, read_edge_messages
+from peers.wire.edges import edge_codec, edge_messages, read_edge_messages
 from peers.wire.errors import RequestError
 from peers.wire.messages import (
     GRAPH_BUNDLE_KINDS,
@@ -32,6 +32,7 @@ from peers.wire.messages import (
     unpack_inference,
 )
 from privacy.peer_ids import short_id
+from swarm.compression.codecs import NONE, Codec
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +40,9 @@ GRAPH_KINDS = (GraphOpen, GraphForward, GraphBackward, GraphApply, GraphFetch, G
 
 
 def bundle_reply(tensors: Mapping[str, torch.Tensor], specs: Sequence[EdgeSpec], graph_hash: str,
-                 metadata: InferenceReply, call: Call) -> Responses:
+                 metadata: InferenceReply, call: Call, codec: Codec = NONE) -> Responses:
     return list(edge_messages(tensors, specs, graph_hash, context=metadata.to_bytes(),
-                              cls=runtime_pb2.ExpertResponse, seal=call.stream.seal))
+                              cls=runtime_pb2.ExpertResponse, seal=call.stream.seal, codec=codec))
 
 
 class GraphCalls(StreamCalls):
@@ -81,12 +82,13 @@ class GraphCalls(StreamCalls):
             inputs = await self.read_bundle(call, serving.stage.inputs)
             started = asyncio.get_running_loop().time()
             serving.check_graph(request.arch, request.graph_hash, request.start, request.end)
+            codec = edge_codec(request.compression)
             async with deadline(self.request_timeout):
                 outputs = await serving.forward(inputs, request.run_id, request.micro_id, call.caller)
         except (RequestError, ValueError, asyncio.TimeoutError) as e:
             return self._refused(request, call, e)
         metadata = InferenceReply(step=serving.run.step if serving.run else 0, compute_ms=_ms(started))
-        return bundle_reply(outputs, serving.stage.outputs, serving.graph_hash, metadata, call)
+        return bundle_reply(outputs, serving.stage.outputs, serving.graph_hash, metadata, call, codec)
 
     async def backward(self, request: GraphBackward, call: Call) -> Responses:
         serving = self.serving
@@ -94,6 +96,7 @@ class GraphCalls(StreamCalls):
             grads = await self.read_bundle(call, serving.grad_outputs)
             started = asyncio.get_running_loop().time()
             serving.check_hash(request.graph_hash)
+            codec = edge_codec(request.compression)
             async with deadline(self.request_timeout):
                 out = await serving.backward(grads, request.run_id, request.micro_id, call.caller)
         except (RequestError, ValueError, asyncio.TimeoutError) as e:
@@ -103,7 +106,7 @@ class GraphCalls(StreamCalls):
         specs = [s for s in serving.grad_inputs if s.name in out]
         if not request.input_grads or not specs:
             return [runtime_pb2.ExpertResponse(metadata=metadata.to_bytes())]
-        return bundle_reply(out, specs, serving.graph_hash, metadata, call)
+        return bundle_reply(out, specs, serving.graph_hash, metadata, call, codec)
 
     async def apply(self, request: GraphApply, call: Call) -> Responses:
         try:

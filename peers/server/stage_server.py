@@ -35,7 +35,7 @@ from peers.core.progress import load_progress
 from peers.model import ModelConfig, StageBlocks, load_blocks
 from peers.server.adapter_runs import AdapterRuns
 from peers.server.backend import StageBackend
-from peers.server.block_timing import measure_block
+from peers.server.block_timing import compute_key, measure_block
 from peers.server.chain_calls import ChainCalls
 from peers.server.control import close_control, serve_control
 from peers.server.handler import StageHandler
@@ -466,8 +466,7 @@ class StageServer:
         """Forward and backward seconds per token of one block on our device (a 128-token forward), cached. A
         backup (``blocks`` None) loads block 0 for it and frees it again."""
         cfg = self.model_config
-        key = (f"{cfg.family}-h{cfg.hidden_size}-i{cfg.intermediate_size}-kv{cfg.num_kv_heads}"
-               f"-{self.device}-{self.dtype}")
+        key = compute_key(cfg, self.device, self.dtype)
 
         def measure() -> Compute:
             logger.info("Measuring the forward and backward compute of one block (cached in %s)",

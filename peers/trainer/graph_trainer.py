@@ -30,6 +30,8 @@ from peers.model.graph.registry import get_architecture
 from peers.model.graph.stage import GraphStage, shared_parameters
 from peers.model.graph.swarm_graph import GraphSpec, swarm_model_name
 from peers.model.graph.trace import EdgeSpec, OpGraph
+from peers.wire.edges import edge_codec
+from peers.wire.errors import RequestError
 from peers.wire.links import PeerLinks
 from peers.wire.messages import GraphApply, GraphBackward, GraphFetch, GraphForward, GraphGrads, GraphOpen
 from peers.wire.stream import LIVENESS_TIMEOUT, PeerStream
@@ -81,8 +83,8 @@ class GraphTrainer:
 
     def __init__(self, spec: GraphSpec, swarm: SwarmConfig, *, optim: dict[str, Any] | None = None,
                  run_id: str = "graph-run", in_flight: int = 1, request_timeout: float = 60.0,
-                 wait_peers: float = 60.0, liveness_timeout: float = LIVENESS_TIMEOUT, checkpoint_every: int = 0
-                 ) -> None:
+                 wait_peers: float = 60.0, liveness_timeout: float = LIVENESS_TIMEOUT, checkpoint_every: int = 0,
+                 compression: str = "none") -> None:
         if in_flight < 1:
             raise ValueError(f"in_flight must be at least 1, got {in_flight}")
         if not swarm.initial_peers:
@@ -90,6 +92,11 @@ class GraphTrainer:
         self.spec, self.swarm, self.optim = spec, swarm, dict(optim or {})
         self.run_id, self.in_flight, self.timeout, self.wait_peers = run_id, in_flight, request_timeout, wait_peers
         self.checkpoint_every = checkpoint_every  # stages with a --checkpoint_dir save the run every this many steps
+        try:  # how the run's edges travel both ways: none (bit-exact), fp16, bf16 or int8
+            self.codec = edge_codec(compression)
+        except RequestError as e:
+            raise ValueError(str(e)) from None
+        self.compression = "" if self.codec.exact else str(self.codec)
         self.graph = spec.trace()  # ValueError: unknown architecture, bad config
         self.graph_hash = graph_hash(self.graph)
         self.model_name = swarm_model_name(self.graph, self.graph_hash)
@@ -199,8 +206,10 @@ class GraphTrainer:
         acts = {self.input_name: x}
         for s in self.stages:
             stream = await self.links.get(s.peer_id)
-            request = GraphForward(arch=self.graph.arch, graph_hash=self.graph_hash, start=s.start, end=s.end)
-            _, out = await stream.submit_bundle(request, acts, s.inputs, s.outputs, self.graph_hash, self.timeout)
+            request = GraphForward(arch=self.graph.arch, graph_hash=self.graph_hash, start=s.start, end=s.end,
+                                   compression=self.compression)
+            _, out = await stream.submit_bundle(request, acts, s.inputs, s.outputs, self.graph_hash, self.timeout,
+                                                self.codec)
             assert out is not None
             acts = out
         return acts[self.output_name]
@@ -221,8 +230,10 @@ class GraphTrainer:
                     if i:
                         await fwd[k][i - 1].wait()
                     request = GraphForward(arch=self.graph.arch, graph_hash=self.graph_hash, start=s.start,
-                                           end=s.end, run_id=self.run_id, micro_id=micro_id)
-                    reply = stream.submit_bundle(request, acts, s.inputs, s.outputs, self.graph_hash, self.timeout)
+                                           end=s.end, run_id=self.run_id, micro_id=micro_id,
+                                           compression=self.compression)
+                    reply = stream.submit_bundle(request, acts, s.inputs, s.outputs, self.graph_hash, self.timeout,
+                                                 self.codec)
                     fwd[k][i].set()
                     _, out = await reply
                     assert out is not None
@@ -237,9 +248,9 @@ class GraphTrainer:
                     if i:
                         await bwd[k][i - 1].wait()
                     back = GraphBackward(run_id=self.run_id, micro_id=micro_id, graph_hash=self.graph_hash,
-                                         input_grads=k > 0)
+                                         input_grads=k > 0, compression=self.compression)
                     reply = stream.submit_bundle(back, grads, s.grad_outputs, s.grad_inputs, self.graph_hash,
-                                                 self.timeout)
+                                                 self.timeout, self.codec)
                     bwd[k][i].set()
                     _, got = await reply
                     grads = got or {}

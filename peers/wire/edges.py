@@ -27,6 +27,18 @@ from swarm.compression.codecs import NONE, Codec
 
 EDGE_DTYPES: dict[str, torch.dtype] = {**WIRE_DTYPES, "int64": torch.int64, "bool": torch.bool}  # masks, indices
 MAX_EDGES = 256  # tensors in one bundle (ResNet's cuts have 1 or 2; a transformer's graph a few)
+EDGE_CODECS = ("none", "fp16", "bf16", "int8")
+
+
+def edge_codec(text: str) -> Codec:
+    """The codec a graph run's edges travel with (``GraphForward.compression``): "" or "none" (bit-exact), "fp16",
+    "bf16" or "int8"; ``RequestError`` for anything else (top-k is refused: a stage's backward would need the forward's
+    sparsity pattern, which graph stages do not keep)."""
+    name = (text or "none").strip()
+    if name not in EDGE_CODECS:
+        raise RequestError(f"graph edges travel with one of {', '.join(EDGE_CODECS)}, not {text[:32]!r} (top-k is "
+                           "for a chain's hidden states)")
+    return Codec.parse(name)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -325,6 +325,7 @@ class GraphForward(Message):
     end: int
     run_id: str = ""
     micro_id: str = ""
+    compression: str = ""  # the codec of the bundles' floating-point edges both ways ("": none; ``edge_codec``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,6 +337,7 @@ class GraphBackward(Message):
     micro_id: str
     graph_hash: str
     input_grads: bool = True
+    compression: str = ""  # the codec of the bundles' floating-point gradients both ways ("": none)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -274,16 +274,16 @@ class PeerStream:
         return checked()
 
     def submit_bundle(self, message: Message, tensors: Mapping[str, torch.Tensor] | None, specs: Sequence[EdgeSpec],
-                      reply_specs: Sequence[EdgeSpec], graph_hash: str, timeout: float
+                      reply_specs: Sequence[EdgeSpec], graph_hash: str, timeout: float, codec: Codec = NONE
                       ) -> Awaitable[tuple[InferenceReply, dict[str, torch.Tensor] | None]]:
-        """Queue a request followed by an edge bundle of ``tensors`` (``specs``, checked here: ``ValueError``) and
-        return an awaitable of its reply and the reply's bundle (``reply_specs``; None if the reply has none);
-        ``RequestError`` if the peer refused it."""
+        """Queue a request followed by an edge bundle of ``tensors`` (``specs``, checked here: ``ValueError``; its
+        floating-point edges coded with ``codec``) and return an awaitable of its reply and the reply's bundle
+        (``reply_specs``; None if the reply has none); ``RequestError`` if the peer refused it."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         messages = [_message(pack_inference(message))]
         if tensors is not None:
-            messages += list(edge_messages(tensors, specs, graph_hash, seal=self._seal))
+            messages += list(edge_messages(tensors, specs, graph_hash, seal=self._seal, codec=codec))
         if self.closed:
             future.set_exception(ConnectionError(f"stream to peer {short_id(self.peer_id)} is closed"))
         else:

@@ -69,11 +69,11 @@ class RunCompression:
             compute_s = noted.value if noted is not None else None
         link = (self.links.get(peer) if self.links is not None else None) or DEFAULT_LINK
         before = self.chooser.current.get(key)
-        decided = self.chooser.decide(key, tensor.numel(), tensor.dtype, bandwidth_bps=link.bandwidth,
+        decided = self.chooser.decide(key, tensor.numel(), tensor.dtype, bandwidth_bps=link.capacity,
                                       compute_s=compute_s, rtt_s=link.rtt)
         if decided != before:
             logger.info("Compression to %s (%s): %s (link %.1f Mbit/s, rtt %.1f ms; compute %s)", short_id(peer),
-                        direction, decided, link.bandwidth / 1e6, link.rtt * 1e3,
+                        direction, decided, link.capacity / 1e6, link.rtt * 1e3,
                         "not measured" if compute_s is None else f"{compute_s * 1e3:.0f} ms")
         return decided
 

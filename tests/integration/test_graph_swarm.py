@@ -153,6 +153,37 @@ def test_bad_requests_are_refused_and_change_nothing(graph_swarm, swarm_cli):
         assert torch.equal(stranger.forward(x["x"]), trainer.forward(x["x"]))  # inference is open to anyone admitted
 
 
+def test_int8_edges_stay_close_and_other_codecs_are_refused(graph_swarm, one_thread):
+    """Protects: ``GraphTrainer(compression="int8")``: every cut's tensors travel int8 both ways (forward outputs
+    and gradients), so the outputs differ from the exact ones but stay close, and a step trains on them; top-k or
+    an unknown codec is refused (by the trainer, and by a peer for a raw request), and the peer keeps serving."""
+    swarm, trainer = graph_swarm
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(4))
+    exact = trainer.forward(x)
+    y = torch.randint(0, 10, (2,), generator=torch.Generator().manual_seed(4))
+    expected = F.cross_entropy(_reference(trainer).train()(x), y).item()  # the first micro-batch, in train mode
+    with pytest.raises(ValueError, match="graph edges travel with one of none, fp16, bf16, int8"):
+        GraphTrainer(SPEC, swarm.trainer_config(), compression="topk:0.1")
+    with GraphTrainer(SPEC, swarm.trainer_config(), optim=OPTIM, run_id="graph-int8", in_flight=2,
+                      request_timeout=30, compression="int8") as lossy:
+        coded = lossy.forward(x)
+        assert not torch.equal(coded, exact)
+        assert (coded - exact).abs().max() <= 0.05 * exact.abs().max(), (coded, exact)
+        lossy.start()
+        loss = lossy.train_step([(x, y), (x, y)])[0].item()
+        assert loss != expected and abs(loss - expected) <= 0.05 * expected, (loss, expected)
+        first = lossy.stages[0]
+        request = GraphForward(arch="resnet50", graph_hash=lossy.graph_hash, start=first.start, end=first.end,
+                               compression="zip")
+
+        async def call():
+            return await lossy.stream(first.peer_id).submit_bundle(request, {"x": x}, first.inputs, first.outputs,
+                                                                   lossy.graph_hash, 30)
+        with pytest.raises(RequestError, match="graph edges travel with one of"):
+            lossy.run(call())
+        assert torch.equal(lossy.forward(x), lossy.forward(x))  # still serving
+
+
 def test_a_restarted_stage_resumes_from_its_checkpoint(graph_swarm, one_thread):
     """Protects: with ``--checkpoint_dir`` and ``checkpoint_every``, a stage peer stopped after 2 steps and started
     again resumes the run from its checkpoint (weights, AdamW state, BatchNorm statistics, step): the trainer finds

@@ -17,11 +17,11 @@ STEPS, ACCUMULATION = 5, 3
 STAGES = [(0, 3), (3, 6), (6, 8)]
 
 
-@pytest.mark.parametrize("topology, stale", [("chain", 1), ("star", None)])
+@pytest.mark.parametrize("topology, stale", [("chain", None), ("star", 1)])
 def test_staleness_one_equals_its_local_schedule(train_stages, served_weights, llama_dir, topology, stale):
     """On the stage peers shared with other modules (``conftest.py``): both references start from the weights
     they serve when the run starts (earlier runs trained them). ``stale``: how many of a step's micro-batches start
-    while the previous step drains (the default 1 in the chain, all of them in the star)."""
+    while the previous step drains (all of them in the chain, the default 1 in the star)."""
     swarm, procs = train_stages
     config = ClientConfig(swarm=swarm.trainer_config(), request_timeout=30)
     with SwarmClient(llama_dir, config=config) as client:

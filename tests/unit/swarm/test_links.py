@@ -135,9 +135,24 @@ def test_probe_samples_are_marked_as_probe():
     table = LinkTable(clock)
     table.observe_probe(pid("A"), [0.001, 0.001, 0.001], 1 << 20, 0.001 + 0.008, 0.0)
     estimate = table.get(pid("A"))
-    assert estimate == LinkEstimate(8 * (1 << 20) / 0.008, 0.001, 0.0, "probe")
+    assert estimate == LinkEstimate(8 * (1 << 20) / 0.008, 0.001, 0.0, "probe", probed=8 * (1 << 20) / 0.008)
     clock.now += 30
     assert table.get(pid("A")).age == pytest.approx(30)
+
+
+def test_capacity_is_a_recent_probe_when_passive_samples_read_less():
+    """Passive samples of a link busy both ways under-read it (replies wait behind the other direction's traffic):
+    the codec choice uses ``capacity``, the larger of the estimate and a probe's reading of the last 10 minutes."""
+    clock = Clock()
+    table = LinkTable(clock)
+    table.observe_probe(pid("A"), [0.001], 1 << 20, 0.001 + 1.0, 0.0)  # 8.4 Mbit/s, read idle
+    for _ in range(12):
+        clock.now += 1
+        table.observe(pid("A"), 0.001 + 1.0, 0.0, (1 << 20) // 2)  # 4.2 Mbit/s: replies delayed
+    estimate = table.get(pid("A"))
+    assert estimate.bandwidth < 5e6 and estimate.capacity == pytest.approx(8 * (1 << 20))
+    clock.now += links.PROBE_TRUST_AGE
+    assert table.get(pid("A")).capacity == table.get(pid("A")).bandwidth < 5e6  # an old probe no longer counts
 
 
 def test_get_fills_an_unmeasured_bandwidth_with_the_default():
@@ -206,8 +221,9 @@ AB_RTT_ONLY = LinkRow(pid("B"), 0.0, 0.004, 1.0, "passive")
         ("A", "B", [], None, DEFAULT_LINK),
         ("A", "C", [record("A", (AB,))], None, DEFAULT_LINK),
         # our own table wins for our links, and answers for links to us
-        ("Z", "B", [record("Z", (LinkRow(pid("B"), 1.0, 1.0, 1.0),))], "B", LinkEstimate(8e6, 0.5, 0.0, "probe")),
-        ("B", "Z", [], "B", LinkEstimate(8e6, 0.5, 0.0, "probe", reverse=True)),
+        ("Z", "B", [record("Z", (LinkRow(pid("B"), 1.0, 1.0, 1.0),))], "B",
+         LinkEstimate(8e6, 0.5, 0.0, "probe", probed=8e6)),
+        ("B", "Z", [], "B", LinkEstimate(8e6, 0.5, 0.0, "probe", reverse=True, probed=8e6)),
     ],
 )
 def test_link_between(a, b, records, local, expected):
