@@ -50,11 +50,11 @@ def _checkpointed(swarm: LocalSwarm) -> list[str]:
 
 
 def _reference_step(reference: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    micro: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-    """One process's step over ``micro``: each micro-batch's loss."""
+                    micro: list[tuple[torch.Tensor, torch.Tensor]], loss_fn=F.cross_entropy) -> list[torch.Tensor]:
+    """One process's step over ``micro``: each micro-batch's loss (``loss_fn(logits, targets)``)."""
     losses = []
     for x, y in micro:
-        loss = F.cross_entropy(reference(x), y)
+        loss = loss_fn(reference(x), y)
         (loss / len(micro)).backward()
         losses.append(loss.detach())
     optimizer.step()
@@ -258,13 +258,7 @@ def test_gpt2_trains_like_one_process(gpt2_swarm, one_thread):
     for _ in range(5):
         micro = [(x, x) for x in (torch.randint(0, 259, (2, 8), generator=gen) for _ in range(2))]
         losses = trainer.train_step(micro)
-        expected = []
-        for x, _ in micro:
-            loss = trainer.loss(reference(x), x)
-            (loss / len(micro)).backward()
-            expected.append(loss.detach())
-        optimizer.step()
-        optimizer.zero_grad()
+        expected = _reference_step(reference, optimizer, micro, trainer.loss)
         assert all(torch.equal(a, b) for a, b in zip(losses, expected, strict=True)), (losses, expected)
     state, reference_state = trainer.fetch_state(), reference.state_dict()
     assert all(torch.equal(v, reference_state[k]) for k, v in state.items())
