@@ -6,10 +6,12 @@ import asyncio
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+CLEANUP_S = 5.0  # how long an iterator left early gets to clean up (``BackgroundLoop.iterate``)
 
 
 @contextlib.asynccontextmanager
@@ -63,11 +65,15 @@ class BackgroundLoop:
         """Consume an async iterator on this loop from synchronous code, item by item."""
         items: queue.Queue = queue.Queue()
         future = asyncio.run_coroutine_threadsafe(_pump(agen, items.put), self.loop)
+        finished = False
         try:
             while (item := _unwrap(items.get(timeout=timeout))) is not _DONE:
                 yield item
+            finished = True
         finally:
-            future.cancel()
+            if not finished:  # left early: wait (a little) for the iterator's own cleanup, e.g. closing sessions
+                future.cancel()
+                _drain(items, CLEANUP_S)
 
     async def aiterate(self, agen: AsyncIterator[T]) -> AsyncIterator[T]:
         """Consume an async iterator that lives on this loop from another event loop."""
@@ -114,6 +120,17 @@ async def _pump(agen: AsyncIterator, put: Callable[[tuple], object]) -> None:
         put((None, e))
     finally:
         put((_DONE, None))
+
+
+def _drain(items: queue.Queue, seconds: float) -> None:
+    """Discard ``items`` until ``_pump`` says it is done, for at most ``seconds``."""
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        try:
+            if items.get(timeout=left)[0] is _DONE:
+                return
+        except queue.Empty:
+            return
 
 
 def _unwrap(entry: tuple):

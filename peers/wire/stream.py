@@ -347,11 +347,14 @@ class PeerStream:
         if self._in_flight or self.closed or not self._pending:
             return
         kind = self._pending[0].group
-        group, rest, size = [], [], 0
+        group, rest, size, ids = [], [], 0, set()
         for step in self._pending:
             step_tokens = 1 if step.hidden is None else step.hidden.shape[0] * step.hidden.shape[1]
-            if not group or (step.group == kind and size + step_tokens <= MAX_COALESCED_TOKENS):
+            # a session's steps travel one per message, in order (a replay queued next to the step that follows it)
+            if not group or (step.group == kind and step.session_id not in ids
+                             and size + step_tokens <= MAX_COALESCED_TOKENS):
                 group.append(step)
+                ids.add(step.session_id)
                 size += step_tokens
             else:
                 rest.append(step)

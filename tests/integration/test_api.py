@@ -246,15 +246,26 @@ def read_line_start(proc: subprocess.Popen, timeout: float = 120) -> bytes:
 
 
 def test_a_caller_that_goes_away_frees_its_session_on_the_peers(client, llama_client):
+    def open_sessions() -> list[int]:
+        return [llama_client.info(r.peer_id).sessions for r in llama_client.records()]
+
+    # sessions that earlier callers left detached expire after the peers' 60 s timeout: start from none
+    _wait_until(lambda: not any(open_sessions()), 90, "sessions of earlier tests stayed open")
     stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=400, temperature=0, stream=True)
     next(iter(stream))
+    assert any(open_sessions()), "the stream has no session on the peers"
     stream.close()
-    deadline = time.monotonic() + 20  # far less than the peers' 60 s session timeout
-    while any(llama_client.info(r.peer_id).sessions for r in llama_client.records()):
-        assert time.monotonic() < deadline, "the session stayed open after its caller went away"
-        time.sleep(0.2)
+    # far less than the peers' 60 s session timeout: the session was closed, not left to expire
+    _wait_until(lambda: not any(open_sessions()), 20, "the session stayed open after its caller went away")
     again = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
     assert again.usage.completion_tokens >= 1
+
+
+def _wait_until(condition, seconds: float, failure: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.2)
 
 
 def _scrape(url: str) -> dict[str, float]:

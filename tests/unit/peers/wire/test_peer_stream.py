@@ -60,6 +60,29 @@ def test_concurrent_steps_travel_together_and_come_back_to_their_sessions():
     assert [o.flatten()[0].item() for o in outputs] == [1.0, 2.0, 3.0, 4.0]
 
 
+def test_two_waiting_steps_of_one_session_leave_in_order_one_per_message():
+    """A replay queued next to the step that follows it (the chain after a recovery): never one message with the
+    same session twice, which the peer refuses."""
+    async def go():
+        (reader, writer), (peer_reader, peer_writer) = await _pair()
+        seen: list[InferenceStep] = []
+        peer = asyncio.create_task(_fake_peer(peer_reader, peer_writer, seen, delay=0.1))
+        stream = PeerStream(None, PEER)
+        stream._start(reader, writer)
+        first = asyncio.ensure_future(stream.step("other", 0, torch.zeros(1, 1, 4), timeout=10))
+        await asyncio.sleep(0.05)
+        waiting = [asyncio.ensure_future(stream.step(sid, pos, torch.full((1, 1, 4), float(i)), timeout=10))
+                   for i, (sid, pos) in enumerate([("s", 0), ("s", 1), ("t", 0)])]
+        outputs = await asyncio.gather(first, *waiting)
+        stream.shutdown()
+        await asyncio.wait_for(peer, 10)
+        return seen, outputs
+
+    seen, outputs = asyncio.run(go())
+    assert [(s.session_ids, s.positions) for s in seen] == [(["other"], [0]), (["s", "t"], [0, 0]), (["s"], [1])]
+    assert [o.flatten()[0].item() for o in outputs[1:]] == [1.0, 2.0, 3.0]
+
+
 def test_a_peer_that_goes_away_fails_every_pending_step_at_once():
     async def go():
         (reader, writer), (peer_reader, peer_writer) = await _pair()
