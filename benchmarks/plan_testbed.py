@@ -34,7 +34,9 @@ checkpoint, then stops them; with ``--repeats`` the arrangements are interleaved
 
 Reported: each arrangement's tokens/s (the trainer's, after the first step, which opens the run), the estimator's
 figure for the pipelines that have one (configured rates, the compute timed here; each host with its own cores, and
-every host sharing this machine's cores), and the ratios plan/random, plan/least_served, plan/bound. Every namespace
+every host sharing this machine's cores), and the ratios plan/random, plan/least_served, plan/bound; and, as a check
+on the luck of the random draws run (each repeat draws anew), the estimator's median, p10 and p90 over
+``RANDOM_DRAWS`` other draws of ``random`` (priced, not run) and plan over a median draw. Every namespace
 and process is removed at the end (the ``Testbed`` context manager), also on failure. Prints JSON and writes it to
 ``--out`` (not with ``--quick``: a check that it works, for tests: three_sites, the ``plan`` arrangement only unless
 ``--arrangements`` says otherwise, 2 steps, no churn, only the peers the run trains on started).
@@ -94,6 +96,7 @@ PROBE_WAIT_S = 100.0  # live plan: seconds at most for the peers' link probes be
 CHURN = dict(after_kill=3, after_join=2, join_wait=90, join_links=5)
 TRAIN = dict(accumulation=4, micro_batch=8, seq_len=64, in_flight=4, seed=0)
 GROUP_SIZE = 3  # peers per random group
+RANDOM_DRAWS, RANDOM_DRAW_SEED = 500, 100_000  # random arrangements priced by the estimator (not run)
 console = Console(stderr=True)
 
 
@@ -380,6 +383,8 @@ def run_matrix(matrix: Matrix, args: argparse.Namespace, model_dir: Path, block:
                "block": block, "client": client, "model_dir": model_dir, "steps": args.steps,
                "place": OnTestbed(tb), "hosts_of": hosts_of, "churn": args.churn and matrix.name == "three_sites",
                "repeats": args.repeats, "quick": args.quick}
+        if "random" in args.arrangements:
+            result["random_draws"] = random_draws(ctx)
         for rep in range(args.repeats):
             for name in args.arrangements:
                 try:
@@ -391,7 +396,31 @@ def run_matrix(matrix: Matrix, args: argparse.Namespace, model_dir: Path, block:
         pids = tb.pids()
     result["nothing_left"] = nothing_left(leftovers(prefix, pids))
     result.update(summarise(result["runs"]))
+    draws = result.get("random_draws")
+    if draws and result["runs"].get("random"):
+        drawn = [r["estimated_tokens_per_s"] for r in result["runs"]["random"]]
+        draws["runs_estimated_tokens_per_s"] = drawn
+        speed = result["tokens_per_s"]
+        for ours in ("plan", "plan_live"):
+            if ours in speed:  # against a median draw, priced as the measured draws ran against their estimate
+                efficiency = speed["random"] / statistics.median(drawn)
+                result["ratios"][f"{ours}_over_median_random_draw"] = round(
+                    speed[ours] / (efficiency * draws["median_estimated_tokens_per_s"]), 3)
     return result
+
+
+def random_draws(ctx: dict, draws: int = RANDOM_DRAWS) -> dict:
+    """The estimator's tokens/s for many draws of the ``random`` arrangement (the first group of each; seeds other
+    than the runs'): whether the measured draws were lucky, and what a median draw would give."""
+    ids = {h: f"h{h}" for h in PEER_HOSTS}
+    figures = []
+    for i in range(draws):
+        layout, first = random_layout(random.Random(RANDOM_DRAW_SEED + i))
+        spans = [(ids[h], *map(int, layout[h].split(":"))) for h in first]
+        figures.append(estimate(spans, ctx["hosts_of"](ids), ctx["place"], ctx["block"], ctx["client"], None))
+    deciles = statistics.quantiles(figures, n=10)
+    return {"draws": draws, "median_estimated_tokens_per_s": round(statistics.median(figures), 1),
+            "p10": round(deciles[0], 1), "p90": round(deciles[-1], 1)}
 
 
 def summarise(runs: dict[str, list[dict]]) -> dict:

@@ -19,7 +19,7 @@ from privacy.peer_ids import peer_id_of, short_id
 from swarm.discovery import announce_plan, fetch_plans
 from swarm.estimator import ModelShape
 from swarm.plan.broker import next_plan
-from swarm.plan.route import PricedGroup, live, price_groups
+from swarm.plan.route import PricedGroup, choose_group, price_groups
 from swarm.plan.trust import next_version
 from swarm.plan.types import Plan
 from swarm.records import PeerRecord
@@ -31,7 +31,8 @@ PLAN_TTL = 60.0  # seconds a published plan lives in the DHT
 REPUBLISH_EVERY = 15.0  # seconds between publications of the same plan (while the trainer runs)
 POLL = 0.5  # seconds between snapshots while waiting for the peers to move
 NOTICE_EVERY = 5.0  # seconds between "waiting for the move" messages
-MAX_PROBES = 16  # links probed per look at the plan's live groups
+MAX_PROBES = 16  # links probed per look at the plan's groups
+MOVE_PATIENCE = 30.0  # seconds to wait for the fastest group to move before training on a slower one that moved
 
 
 class RunPlanner:
@@ -85,16 +86,19 @@ class RunPlanner:
             await self._probe_ends(plan, records, banned)
             priced = price_groups([plan], records, self.shape, client_id=self.me, local=client.router.links,
                                   excluded=banned, objective="training", micro_batches=trainer.accumulation,
-                                  topology=trainer.topology)
-            if priced:
-                self.group = priced[0]
-                by_peer = {r.peer_id: r for r in records}
-                waited = time.monotonic() - began
-                logger.info("Run %s: training on group %s of plan v%d (est. %.0f tokens/s; the peers were in place "
-                            "after %.1f s)", trainer.run_id, _describe(priced[0].group.stages), plan.version,
-                            1.0 / priced[0].seconds, waited)
-                return [[by_peer[s.peer_id]] for s in priced[0].group.stages]
+                                  topology=trainer.topology, only_live=False)
             waited = time.monotonic() - began
+            chosen = choose_group(priced, records, excluded=banned, waited=waited,
+                                  patience=min(MOVE_PATIENCE, grace / 2))
+            if chosen is not None:
+                self.group = chosen
+                by_peer = {r.peer_id: r for r in records}
+                logger.info("Run %s: training on group %s of plan v%d (est. %.0f tokens/s; the fastest group, est. "
+                            "%.0f tokens/s, %s; the peers were in place after %.1f s)", trainer.run_id,
+                            _describe(chosen.group.stages), plan.version, 1.0 / chosen.seconds,
+                            1.0 / priced[0].seconds, "is this one" if chosen is priced[0] else "had not moved yet",
+                            waited)
+                return [[by_peer[s.peer_id]] for s in chosen.group.stages]
             if waited >= grace:
                 raise NoPipelineError(f"run {trainer.run_id}: no group of plan v{plan.version} serves its spans after "
                                       f"{waited:.0f} s: do its peers allow this trainer (--trainers {self.me}) and "
@@ -107,12 +111,14 @@ class RunPlanner:
             await asyncio.sleep(POLL)
 
     async def _probe_ends(self, plan: Plan, records: list[PeerRecord], banned: set[str]) -> None:
-        """Probe our links to the live groups' stages that talk to us (chain: the first and the last; star: all)
+        """Probe our links to the groups' stages that talk to us (chain: the first and the last; star: all)
         that we never measured, once each: an unknown link prices as the default, so without this a group behind a
         slow uplink looks as near as one on a fast link."""
         client = self.trainer.client
-        ends = [s.peer_id for g in plan.groups if live(g, records, banned)
-                for s in (g.stages if self.trainer.topology == "star" else (g.stages[0], g.stages[-1]))]
+        known = {r.peer_id for r in records}
+        ends = [s.peer_id for g in plan.groups for s in (g.stages if self.trainer.topology == "star"
+                                                          else (g.stages[0], g.stages[-1]))
+                if s.peer_id in known and s.peer_id not in banned]
         todo = [p for p in unmeasured(client.router.links, ends) if p not in self.probed][:MAX_PROBES]
         if todo:
             self.probed.update(todo)

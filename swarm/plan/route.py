@@ -45,17 +45,21 @@ def live(group: Group, records: Sequence[PeerRecord], excluded: Iterable[str] = 
 def price_groups(plans: Iterable[Plan], records: Sequence[PeerRecord], shape: ModelShape, *,
                  client_id: str | None = None, local: LinkTable | None = None, excluded: Iterable[str] = (),
                  objective: str = "inference", rows: int = 1, seq_len: int = 128,
-                 micro_batches: int = 1, topology: Topology = "star") -> list[PricedGroup]:
+                 micro_batches: int = 1, topology: Topology = "star", only_live: bool = True) -> list[PricedGroup]:
     """The live groups of ``plans``, fastest first for this client (``objective`` "inference": per-token latency;
     "training": a step of ``micro_batches`` x ``rows`` x ``seq_len`` tokens, one in flight per stage), along the
-    data path ``topology`` ("star" or "chain")."""
+    data path ``topology`` ("star" or "chain"). ``only_live=False``: also the groups whose peers have not moved yet
+    (every peer with a record and none excluded), priced as if they had."""
     excluded = set(excluded)
+    known = {r.peer_id for r in records}
     priced = []
     for plan in plans:
         if plan.num_blocks != shape.num_blocks:
             continue
         for group in plan.groups:
-            if not live(group, records, excluded):
+            if only_live and not live(group, records, excluded):
+                continue
+            if any(s.peer_id in excluded or s.peer_id not in known for s in group.stages):
                 continue
             pipeline = pipeline_from_records([(s.peer_id, s.start, s.end) for s in group.stages], records,
                                              client_id=client_id, local=local, topology=topology)
@@ -67,6 +71,21 @@ def price_groups(plans: Iterable[Plan], records: Sequence[PeerRecord], shape: Mo
                 seconds = estimate_inference(shape, pipeline).token_latency_s
             priced.append(PricedGroup(plan, group, seconds))
     return sorted(priced, key=lambda p: (p.seconds, p.spans))
+
+
+def choose_group(priced: Sequence[PricedGroup], records: Sequence[PeerRecord], *, excluded: Iterable[str] = (),
+                 waited: float, patience: float, tolerance: float = 0.1) -> PricedGroup | None:
+    """Of ``priced`` (every group, fastest first: ``price_groups(only_live=False)``), the group to use now: the
+    fastest live one if it is within ``tolerance`` of the fastest of all, or once ``waited`` reaches ``patience``
+    seconds; None while a clearly faster group is still moving (taking whichever group moved first would train on
+    a slow one for the whole run)."""
+    excluded = set(excluded)
+    ready = [p for p in priced if live(p.group, records, excluded)]
+    if not ready:
+        return None
+    if ready[0].seconds <= priced[0].seconds * (1 + tolerance) or waited >= patience:
+        return ready[0]
+    return None
 
 
 def plan_route(plans: Iterable[Plan], records: Sequence[PeerRecord], shape: ModelShape, start: int, end: int, *,

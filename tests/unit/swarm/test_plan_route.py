@@ -6,7 +6,7 @@ import asyncio
 
 from swarm.estimator import ModelShape
 from swarm.links import LinkTable
-from swarm.plan.route import plan_route, price_groups
+from swarm.plan.route import choose_group, plan_route, price_groups
 from swarm.plan.types import Assignment, Group, Plan
 from swarm.records import LinkRow, PeerRecord, PeerState
 from swarm.routing import Hop, Router
@@ -69,6 +69,24 @@ def test_groups_that_are_not_live_or_excluded_are_skipped():
     offline = [r if r.peer_id != pid("A") else rec("A", 0, 2, PeerState.OFFLINE) for r in moved]
     assert plan_route([plan], offline, SHAPE, 0, 4, client_id=ME, local=near_cd) is None
     assert plan_route([], records(), SHAPE, 0, 4) is None
+
+
+def test_a_trainer_waits_a_while_for_the_fastest_group_to_move():
+    """The broker's choice (``choose_group``): the first group to move is not taken while a clearly faster one is
+    still moving, unless it is about as fast or the patience is spent; excluded peers' groups are not priced."""
+    plan, near_cd = two_group_plan(), client_links(far_rtt=0.080, near_rtt=0.002)
+    moving = [r if r.peer_id != pid("D") else rec("D", 1, 4) for r in records()]  # the near group C-D still moves
+    priced = price_groups([plan], moving, SHAPE, client_id=ME, local=near_cd, only_live=False)
+    assert [p.spans[0][0] for p in priced] == [pid("C"), pid("A")]
+    assert choose_group(priced, moving, waited=1.0, patience=30.0) is None
+    assert choose_group(priced, moving, waited=30.0, patience=30.0).spans[0][0] == pid("A")
+    assert choose_group(priced, moving, waited=1.0, patience=30.0, tolerance=100.0).spans[0][0] == pid("A")
+    assert choose_group(priced, records(), waited=0.0, patience=30.0).spans[0][0] == pid("C")  # it moved
+    assert choose_group(priced, [r for r in moving if r.peer_id != pid("A")], waited=99, patience=1) is None
+    without_c = price_groups([plan], moving, SHAPE, client_id=ME, local=near_cd, only_live=False,
+                             excluded={pid("C")})
+    assert [p.spans[0][0] for p in without_c] == [pid("A")]
+    assert choose_group(without_c, moving, excluded={pid("C")}, waited=0.0, patience=30.0).spans[0][0] == pid("A")
 
 
 def test_router_routes_along_the_plan_and_falls_back_to_dijkstra():
