@@ -66,9 +66,16 @@ def cached_compute(cache_dir: Path, key: str, measure: Callable[[], Compute]) ->
         except ValueError:
             pass
     value = measure()
+    store_compute(cache_dir, key, value)
+    return value
+
+
+def store_compute(cache_dir: Path, key: str, value: Compute) -> None:
+    """Cache ``value`` under ``compute:KEY`` (what ``cached_compute`` reads next time)."""
+    path = Path(cache_dir) / "throughput.json"
+    cache = _read_cache(path)
     cache[f"compute:{key}"] = {"forward": value.forward, "backward": value.backward}
     _write_cache(path, cache)
-    return value
 
 
 def _read_cache(path: Path) -> dict:

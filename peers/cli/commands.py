@@ -112,6 +112,9 @@ def _parser() -> argparse.ArgumentParser:
     peer.add_argument("--update_period", type=float, default=15.0, help="seconds between announcements")
     peer.add_argument("--throughput", type=float, default=None,
                       help="tokens/s per block (default: measure once and cache in --cache_dir)")
+    peer.add_argument("--retime_every", type=float, default=300.0, metavar="SECONDS",
+                      help="time one block again every SECONDS while the peer is idle and announce the fastest "
+                           "timing seen (a timing taken on a busy machine is not kept forever); default 300, 0: never")
     peer.add_argument("--cache_dir", type=Path, default=DEFAULT_CACHE_DIR, help="throughput cache folder")
     peer.add_argument("--cache_tokens", type=int, default=16384,
                       help="inference KV cache budget in tokens (batch rows x max_length, all sessions)")
@@ -252,7 +255,7 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         torch_dtype=args.torch_dtype, public_name=args.public_name, max_batch_size=args.max_batch_size,
         max_batch_tokens=args.max_batch_tokens, max_request_bytes=args.max_request_bytes,
         probe_max_bytes=int(args.probe_max_mib * (1 << 20)), request_timeout=args.request_timeout,
-        update_period=args.update_period, throughput=args.throughput,
+        update_period=args.update_period, throughput=args.throughput, retime_every=args.retime_every,
         cache_dir=args.cache_dir, cache_tokens=args.cache_tokens, session_timeout=args.session_timeout,
         client_cache_share=args.client_cache_share, cache_wait=args.cache_wait,
         require_encryption=not args.allow_plaintext, trainers=parse_trainers(args.trainers),

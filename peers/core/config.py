@@ -100,6 +100,7 @@ class StageServerConfig:
     request_timeout: float = 60.0  # seconds: deadline of one RPC on this peer
     update_period: float = 15.0  # seconds between announcements; a record expires after ~2 periods
     throughput: float | None = None  # tokens/s per block; None: measure once and cache
+    retime_every: float = 300.0  # seconds between idle re-timings of a block (peers.server.retiming); 0: never
     cache_dir: Path = DEFAULT_CACHE_DIR
     cache_tokens: int = 16384  # inference KV cache budget: batch rows x max_length summed over sessions
     session_timeout: float = 60.0  # seconds an idle or disconnected session keeps its cache
@@ -124,6 +125,8 @@ class StageServerConfig:
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
+        if not (self.retime_every >= 0 and self.retime_every != float("inf")):
+            raise ValueError(f"--retime_every must be >= 0 seconds (0: never), got {self.retime_every}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics_port must be in 0..65535 (0: off), got {self.metrics_port}")
         if not (self.model_dir / "config.json").is_file():

@@ -44,6 +44,7 @@ from peers.server.memory import block_bytes, free_bytes, holdable_blocks
 from peers.server.metrics import serve_metrics
 from peers.server.plan_follower import plan_following
 from peers.server.prober import LinkProber
+from peers.server.retiming import start_retiming
 from peers.server.span_loading import assemble, fetch_trained, has_checkpoint, load_new_blocks
 from peers.server.training_rpc import TrainingRPC
 from peers.wire.errors import moved_refusal
@@ -131,7 +132,7 @@ class StageServer:
             client_mode=swarm.client_mode, nat=swarm.nat(),
             check_reachability=swarm.check_reachability,  # others must dial us (directly or through a relay)
         )
-        self.announcer = handler = reaper = self.links = probing = control = lan = None
+        self.announcer = handler = reaper = self.links = probing = control = lan = retiming = None
         try:
             if swarm.lan:  # advertised on the LAN; meets nodes that started their own swarm there at the same time
                 lan = await lan_presence(self.node, swarm.host_maddrs)
@@ -179,6 +180,8 @@ class StageServer:
                                   backward_seconds=compute.backward if compute else 0.0)
             self.record = self.announcer.record
             probing = asyncio.create_task(self._prober(peer_id, self.links, self.announcer).run())
+            if compute is not None:  # timed (not --throughput): timed again while idle, the fastest announced
+                retiming = start_retiming(self, compute, compute_key(self.model_config, self.device, self.dtype))
             if self.config.control_socket is not None:
                 control = await serve_control(self.config.control_socket, self)
             if self.config.metrics_port:
@@ -203,6 +206,10 @@ class StageServer:
             if probing is not None:
                 probing.cancel()
                 await asyncio.gather(probing, return_exceptions=True)
+            if retiming is not None:
+                retiming[0].cancel()
+                await asyncio.gather(retiming[0], return_exceptions=True)
+                retiming[1].close()
             if self.announcer is not None:
                 await _quietly(self.announcer.stop(PeerState.OFFLINE), "announce offline")
             if handler is not None:

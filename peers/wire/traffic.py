@@ -15,6 +15,11 @@ def listen(sink: Sink) -> None:
         _sinks.append(sink)
 
 
+def unlisten(sink: Sink) -> None:
+    if sink in _sinks:
+        _sinks.remove(sink)
+
+
 def counted(direction: str, peer_id: str, nbytes: int) -> None:
     for sink in _sinks:
         sink(direction, peer_id, nbytes)

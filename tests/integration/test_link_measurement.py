@@ -3,6 +3,7 @@ others and publishes its links, and bad probes are refused while the peer keeps 
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from collections.abc import Iterator
@@ -14,11 +15,13 @@ from rich.console import Console
 from peers.cli.launch import LocalSwarm
 from peers.cli.status import print_status
 from peers.client.swarm_client import SwarmClient
-from peers.model import LocalModel, make_tiny_model
+from peers.model import LocalModel, ModelConfig, make_tiny_model
+from peers.server.block_timing import compute_key
 from peers.server.probe_calls import MAX_TRANSFERS
 from peers.wire.errors import RequestError
 from peers.wire.messages import LinkProbe
 from peers.wire.probe import PROBE_LARGEST
+from swarm.measure import Compute, cached_compute
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +122,23 @@ def test_bad_probes_are_refused_and_the_peer_keeps_serving(llama_swarm, llama_cl
     expected, _ = LocalModel.from_dir(llama_dir)(input_ids)
     assert (llama_client.forward(input_ids) - expected).abs().max() < 1e-4
     assert not stream.closed
+
+
+def test_a_block_timed_on_a_busy_machine_is_timed_again_while_idle(tmp_path, heavy_dir):
+    """Protects the idle re-timing (``peers.server.retiming``): a peer whose cached block timing was taken on a busy
+    machine (seeded ~1,000x slow here) times the block again once idle, announces the fast figure and caches it."""
+    config = ModelConfig.from_dir(heavy_dir)
+    key = compute_key(config, "cpu", "torch.float32")
+    with LocalSwarm(tmp_path, update_period=1.0) as swarm:
+        cache = swarm.workdir / "cache"
+        cached_compute(cache, key, lambda: Compute(0.05, 0.1))  # what a peer timed while the machine was busy
+        swarm.start_dht()
+        peer = swarm.start_peer(heavy_dir, block_indices="0:2", extra=["--retime_every", "1"])
+        with SwarmClient(heavy_dir, initial_peers=swarm.initial_peers) as client:
+            client.wait_for_records(1)
+            record = _wait_until(lambda: next((r for r in client.records() if r.forward_seconds < 0.005), None),
+                                 30, "the record to announce the idle timing")
+        peer.wait_for(re.compile(r"Timed one block again while idle: .* faster than announced"), 10)
+    assert record.backward_seconds < 0.01 and record.throughput == pytest.approx(1 / record.forward_seconds)
+    stored = cached_compute(cache, key, lambda: pytest.fail("the cache should hold the new timing"))
+    assert stored.forward == pytest.approx(record.forward_seconds)
