@@ -14,7 +14,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from swarm.records import MAX_AGE, MAX_BANDWIDTH, MAX_LINKS, MAX_RTT, LinkRow, PeerRecord
 
@@ -194,18 +194,34 @@ def link_between(a: str, b: str, records: Iterable[PeerRecord], local: LinkTable
                  local_id: str | None = None) -> LinkEstimate:
     """What we know of the link ``a -> b``: our own table if ``a`` is us (``local_id``), else the row for ``b`` in
     ``a``'s record, else (taken as symmetric, ``reverse=True``) the row for ``a`` in ``b``'s record or our table's
-    entry for ``a`` if ``b`` is us; else ``DEFAULT_LINK``. A record row's age is as of its announcement."""
+    entry for ``a`` if ``b`` is us; else ``DEFAULT_LINK``. A record row's age is as of its announcement.
+
+    A link taken as symmetric is no faster than the fastest link ``a`` measured sending to anyone (``sender_cap``):
+    home lines upload far slower than they download, and ``a``'s upload carries every link out of it, so a peer
+    whose probes to everyone read 10 Mbit/s is not priced at the 50 Mbit/s we measured sending to it."""
     if local is not None and local_id is not None and a == local_id and (mine := local.get(b)) is not None:
         return mine
     by_peer = {r.peer_id: r for r in records}
     if (row := _row(by_peer.get(a), b)) is not None:
         return _from_row(row, reverse=False)
     if local is not None and local_id is not None and b == local_id and (mine := local.get(a)) is not None:
-        return LinkEstimate(mine.bandwidth, mine.rtt, mine.age, mine.source, mine.bandwidth_known, reverse=True,
-                            probed=mine.probed)
+        return _capped(LinkEstimate(mine.bandwidth, mine.rtt, mine.age, mine.source, mine.bandwidth_known,
+                                    reverse=True, probed=mine.probed), sender_cap(by_peer.get(a)))
     if (row := _row(by_peer.get(b), a)) is not None:
-        return _from_row(row, reverse=True)
+        return _capped(_from_row(row, reverse=True), sender_cap(by_peer.get(a)))
     return DEFAULT_LINK
+
+
+def sender_cap(record: PeerRecord | None) -> float | None:
+    """The fastest bandwidth ``record``'s peer measured on a link out of it (bits/s), None if it measured none."""
+    rates = [row.bandwidth for row in record.links if row.bandwidth > 0] if record is not None else []
+    return max(rates) if rates else None
+
+
+def _capped(known: LinkEstimate, cap: float | None) -> LinkEstimate:
+    if cap is None or not known.bandwidth_known or known.bandwidth <= cap:
+        return known
+    return replace(known, bandwidth=cap, probed=min(known.probed, cap))
 
 
 def _row(record: PeerRecord | None, neighbour: str) -> LinkRow | None:

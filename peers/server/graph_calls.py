@@ -28,6 +28,7 @@ from peers.wire.messages import (
     GraphGrads,
     GraphOpen,
     InferenceReply,
+    ParamsPush,
     StageInfo,
     unpack_inference,
 )
@@ -55,7 +56,7 @@ class GraphCalls(StreamCalls):
 
     def handlers(self) -> dict[type, object]:
         return {GraphOpen: self.open, GraphForward: self.forward, GraphBackward: self.backward,
-                GraphApply: self.apply, GraphFetch: self.fetch, GraphGrads: self.grads}
+                GraphApply: self.apply, GraphFetch: self.fetch, GraphGrads: self.grads, ParamsPush: self.params}
 
     async def read_bundle(self, call: Call, specs: Sequence[EdgeSpec]) -> dict[str, torch.Tensor]:
         """The bundle following the request, checked against ``specs`` and this peer's graph hash."""
@@ -70,8 +71,9 @@ class GraphCalls(StreamCalls):
     async def open(self, request: GraphOpen, call: Call) -> Responses:
         try:
             self.serving.check_graph(request.arch, request.graph_hash, request.start, request.end)
-            step = self.serving.open(request.run_id, request.optim, call.caller, list(request.shared),
-                                     request.checkpoint_every)
+            step = await self.serving.open(request.run_id, request.optim, call.caller, list(request.shared),
+                                           request.checkpoint_every, list(request.replicas), request.average_every,
+                                           request.source)
         except (RequestError, ValueError) as e:
             return self._refused(request, call, e)
         return [runtime_pb2.ExpertResponse(metadata=InferenceReply(step=step).to_bytes())]
@@ -123,6 +125,15 @@ class GraphCalls(StreamCalls):
             return self._refused(request, call, e)
         return [runtime_pb2.ExpertResponse(metadata=InferenceReply(step=step).to_bytes())]
 
+    async def params(self, request: ParamsPush, call: Call) -> Responses:
+        """A replica's parameters for an averaging round (``peers.server.graph_replicas``)."""
+        try:
+            flat = await self.read_tensor(call)
+            self.serving.receive_params(request, flat, call.caller)
+        except (RequestError, ValueError) as e:
+            return self._refused(request, call, e)
+        return [reply()]
+
     async def grads(self, request: GraphGrads, call: Call) -> Responses:
         try:
             tensors, specs = self.serving.shared_grads(request.run_id, call.caller)
@@ -154,7 +165,10 @@ def _ms(started: float) -> float:
 
 class GraphStreamHandler(StreamHandler):
     """A peer's stream serving a graph stage: hellos, probes and the graph requests. A graph request refused before
-    its handler (not admitted, no hello) has its bundle skipped, so that the stream stays in step."""
+    its handler (not admitted, no hello) has its bundle skipped, so that the stream stays in step. A replica's
+    ``ParamsPush`` comes from another peer, not a trainer: its averager checks that it is one of the run's replicas."""
+
+    checked_by_handler = (ParamsPush,)
 
     def serve_graph(self, calls: GraphCalls) -> None:
         self.handlers.update(calls.handlers())  # type: ignore[arg-type]

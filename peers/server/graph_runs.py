@@ -26,8 +26,11 @@ from peers.model.graph.autodiff import Saved, train_backward, train_forward
 from peers.model.graph.registry import ARCHITECTURES
 from peers.model.graph.stage import GraphStage
 from peers.model.graph.trace import EdgeSpec
+from peers.server.averaging import ReplicaAverager, round_at
+from peers.server.graph_replicas import StreamFor, check_replicas, copy_from, flat_state, load_flat, numel
 from peers.training.state import STATE_FILE, load_stage_state, run_checkpoint_dir, save_stage_state
 from peers.wire.errors import RequestError
+from peers.wire.messages import ParamsPush
 
 logger = logging.getLogger(__name__)
 
@@ -65,15 +68,20 @@ class GraphRun:
     parts: list[dict[str, torch.Tensor]] = field(default_factory=list)  # this step's, in backward order
     step: int = 0
     checkpoint_every: int = 0  # save every this many steps (0: never), with a checkpoint_dir
+    averager: ReplicaAverager | None = None  # replicas of this stage in the run (``peers.server.graph_replicas``)
+    average_every: int = 1
 
 
 class GraphServing:
     """One stage of graph ``graph_hash`` (``arch``), nodes ``[stage.start, stage.end)``."""
 
     def __init__(self, stage: GraphStage, graph_hash: str, trainers: TrainerPolicy,
-                 checkpoint_dir: Path | None = None) -> None:
+                 checkpoint_dir: Path | None = None, *, peer_id: str = "", stream_for: StreamFor | None = None,
+                 average_timeout: float = 30.0) -> None:
         self.stage, self.graph_hash, self.trainers = stage, graph_hash, trainers
         self.checkpoint_dir = checkpoint_dir
+        # replicas: our peer id, streams to the other replicas, and how long a round waits for them
+        self.peer_id, self.stream_for, self.average_timeout = peer_id, stream_for, average_timeout
         self.arch, self.start, self.end = stage.arch, stage.start, stage.end
         self.run: GraphRun | None = None
         self._lock = asyncio.Lock()  # one computation at a time, in arrival order
@@ -117,10 +125,13 @@ class GraphServing:
         return run
 
     # ---- requests ---------------------------------------------------------------------------------
-    def open(self, run_id: str, optim: Mapping[str, Any], caller: str, shared: Sequence[str] = (),
-             checkpoint_every: int = 0) -> int:
+    async def open(self, run_id: str, optim: Mapping[str, Any], caller: str, shared: Sequence[str] = (),
+                   checkpoint_every: int = 0, replicas: Sequence[str] = (), average_every: int = 1,
+                   source: str = "") -> int:
         """Open (or re-open: its optimizer and step are kept) ``run_id``; another run open here is closed. A run
-        new here resumes from this stage's checkpoint of it, if there is one."""
+        new here resumes from this stage's checkpoint of it, if there is one, else copies the weights of replica
+        ``source`` if named. ``replicas``: the run's other peers serving these nodes, averaged with every
+        ``average_every`` steps."""
         self.check_trainer(caller)
         settings = adamw_settings(optim)
         self.shared_specs(list(shared))  # parameters of this stage
@@ -128,6 +139,12 @@ class GraphServing:
             raise RequestError("a run id is 1 to 128 characters")
         if not 0 <= checkpoint_every <= 1 << 20:
             raise RequestError(f"checkpoint_every must be in 0..{1 << 20}, got {checkpoint_every}")
+        replicas = sorted(set(replicas) - {self.peer_id})
+        check_replicas(replicas, self.peer_id, source, average_every)
+        if replicas and shared:
+            raise RequestError("a stage holding parameters tied to another stage's cannot have replicas yet")
+        if replicas and self.stream_for is None:
+            raise RequestError("this peer cannot reach other replicas")
         run = self.run
         if run is not None and run.run_id == run_id and run.trainer == caller:
             run.checkpoint_every = checkpoint_every
@@ -136,6 +153,7 @@ class GraphServing:
             run.kept.clear()
             run.accumulated = 0
             self.stage.zero_grad(set_to_none=True)
+            self._replicate(run, replicas, average_every)
             return run.step
         if run is not None:
             logger.info("Graph run %r closed: run %r opens", run.run_id, run_id)
@@ -143,11 +161,38 @@ class GraphServing:
         params = list(self.stage.parameters())
         optimizer = torch.optim.AdamW(params, **settings) if params else None
         step = self._resume(run_id, optimizer)
+        if not step and source:
+            assert self.stream_for is not None
+            async with self._lock:
+                step = await copy_from(source, self.stream_for, self.stage.module, self.graph_hash,
+                                       self.average_timeout)
+            logger.info("Graph run %r: copied the weights of replica %s (at step %d)", run_id, source[-8:], step)
         self.run = GraphRun(run_id, caller, optimizer, shared=tuple(shared), step=step,
                             checkpoint_every=checkpoint_every)
-        logger.info("Graph run %r of %s opened on nodes %d:%d at step %d", run_id, caller[-8:], self.start,
-                    self.end, step)
+        self._replicate(self.run, replicas, average_every)
+        logger.info("Graph run %r of %s opened on nodes %d:%d at step %d%s", run_id, caller[-8:], self.start,
+                    self.end, step, f" with {len(replicas)} other replica(s)" if replicas else "")
         return step
+
+    def _replicate(self, run: GraphRun, replicas: list[str], average_every: int) -> None:
+        """Averaging with ``replicas`` (a new averager if the replicas or the period changed; none without)."""
+        current = run.averager
+        if not replicas:
+            run.averager = None
+        elif current is None or current.replicas != replicas or run.average_every != average_every:
+            assert self.stream_for is not None
+            run.averager = ReplicaAverager(self.peer_id, run.run_id, replicas, self.stream_for,
+                                           timeout=self.average_timeout, first_round=round_at(run.step, average_every))
+        run.average_every = average_every
+
+    def receive_params(self, request: ParamsPush, flat: torch.Tensor, caller: str) -> None:
+        """A replica's parameters for an averaging round of the run open here."""
+        run = self.run
+        if run is None or run.run_id != request.run_id or run.averager is None:
+            raise RequestError(f"no graph run {request.run_id[:64]!r} with replicas is open here")
+        if request.anchor:
+            raise RequestError("graph replicas average their parameters in full (no anchor)")
+        run.averager.receive(caller, request.round, flat, numel(self.stage.module))
 
     def checkpoint_path(self, run_id: str) -> Path | None:
         if self.checkpoint_dir is None:
@@ -248,6 +293,9 @@ class GraphServing:
         async with self._lock:
             await asyncio.to_thread(self._step, run)
             run.accumulated, run.step = 0, run.step + 1
+            if run.averager is not None and run.step % run.average_every == 0:
+                mean = await run.averager.average(flat_state(self.stage.module), round_at(run.step, run.average_every))
+                load_flat(self.stage.module, mean)
             path = self.checkpoint_path(run.run_id)
             if path is not None and run.checkpoint_every and run.step % run.checkpoint_every == 0:
                 await asyncio.to_thread(save_stage_state, path, self.stage.module, run.optimizer, run.step,

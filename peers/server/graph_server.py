@@ -24,6 +24,7 @@ from peers.server.graph_calls import GraphCalls, GraphStreamHandler
 from peers.server.graph_runs import GraphServing
 from peers.server.handler import StageHandler
 from peers.server.kv_sessions import SessionRegistry
+from peers.wire.links import PeerLinks
 from peers.wire.messages import StageInfo
 from swarm.announcer import Announcer
 from swarm.discovery import start_node, visible_maddrs
@@ -94,7 +95,9 @@ class GraphServer:
         info = StageInfo(peer_id=peer_id, model=self.model_name, start=self.start, end=self.end, hidden_size=0,
                          dtype="float32", max_batch_size=0, max_seq_len=0,
                          max_request_bytes=config.max_request_bytes, throughput=0.0, version=peers.__version__)
-        serving = GraphServing(self.stage, self.graph_hash, self.trainers, config.checkpoint_dir)
+        links = PeerLinks(node.p2p, admission, timeout=config.request_timeout)  # to the run's other replicas
+        serving = GraphServing(self.stage, self.graph_hash, self.trainers, config.checkpoint_dir, peer_id=peer_id,
+                               stream_for=links.get, average_timeout=config.request_timeout / 2)
         sessions = SessionRegistry(cache_tokens=1, timeout=60.0, max_length_limit=1)  # no inference sessions
         handler = StageHandler(None, info, sessions, request_timeout=config.request_timeout, identity=identity,
                                require_encryption=config.require_encryption, admission=admission)
@@ -124,6 +127,7 @@ class GraphServer:
             await _quietly(announcer.stop(PeerState.OFFLINE))
             if added:
                 await _quietly(handler.remove_p2p_handlers(node.p2p))
+            links.close()
             await _quietly(node.shutdown())
             logger.info("Stopped")
 

@@ -83,6 +83,9 @@ HEARTBEAT_FRAME = encode(runtime_pb2.ExpertResponse(metadata=HEARTBEAT_METADATA)
 class StreamHandler(StreamCalls):
     """Serves the streams of one peer; ``check_hidden`` and ``check_blocks`` are the handler's validation."""
 
+    # training kinds whose handler checks the caller itself (not against the trainers: e.g. a graph replica's push)
+    checked_by_handler: tuple[type, ...] = ()
+
     def __init__(self, backend: StageBackend | None, info: StageInfo, sessions: SessionRegistry, *,
                  request_timeout: float, check_hidden: Callable[..., None], check_blocks: Callable[[int, int], None],
                  identity: Identity, require_encryption: bool = True, admission: Admission | None = None,
@@ -254,7 +257,7 @@ class StreamHandler(StreamCalls):
         refusal = self._refusal(call.stream)
         if not refusal and self.unserved and not isinstance(request, LinkProbe):
             refusal = self.unserved  # a backup serves no blocks (a moved: refusal)
-        if not refusal and isinstance(request, TRAINING_KINDS):
+        if not refusal and isinstance(request, TRAINING_KINDS) and not isinstance(request, self.checked_by_handler):
             refusal = training_refusal(self.training, request, call.caller, call.stream)  # an allowed trainer?
         if refusal:
             await self.skip_tensor(call)

@@ -8,6 +8,12 @@ to stage 0, its outputs on to stage 1, ..., the loss here, the gradients back st
 is back, ``GraphApply`` commits the step on every stage (a stage holding another number refuses and drops it). Up to
 ``in_flight`` micro-batches are in the pipeline at once; each stage gets its forwards and its backwards in
 micro-batch order, so BatchNorm's running statistics and the accumulated gradients equal one process's.
+
+Several peers serving the same nodes are replicas of that stage (as for transformer stages): micro-batch ``i`` goes
+to replica ``i mod R``, the gradient a replica gets is scaled by ``M / its share`` (its own mean: a full AdamW step
+on its share) and scaled back on its way out, and the replicas average their weights every ``average_every`` steps
+(``peers.server.graph_replicas``); a replica new to the run first copies the first replica's weights. A graph with
+weights tied across stages (GPT-2) trains on one peer per stage.
 """
 
 from __future__ import annotations
@@ -60,6 +66,13 @@ class GraphStagePeer:
         return tuple(s for s in self.inputs if s.dtype.is_floating_point)
 
 
+def stage_replicas(records: Sequence[PeerRecord], chain: Sequence[tuple[str, int, int]]) -> list[list[str]]:
+    """For each stage of ``chain``: its peer, then the other online peers serving exactly its nodes, by peer id."""
+    online = [r for r in records if r.state == PeerState.ONLINE]
+    return [[peer, *sorted({r.peer_id for r in online if (r.start, r.end) == (a, b)} - {peer})]
+            for peer, a, b in chain]
+
+
 def choose_stages(records: Sequence[PeerRecord], graph: OpGraph) -> list[tuple[str, int, int]]:
     """A chain of online peers whose node ranges tile ``[0, n)`` (the first at each position, by peer id);
     ``ValueError`` saying which ranges are served and what to start."""
@@ -84,9 +97,12 @@ class GraphTrainer:
     def __init__(self, spec: GraphSpec, swarm: SwarmConfig, *, optim: dict[str, Any] | None = None,
                  run_id: str = "graph-run", in_flight: int = 1, request_timeout: float = 60.0,
                  wait_peers: float = 60.0, liveness_timeout: float = LIVENESS_TIMEOUT, checkpoint_every: int = 0,
-                 compression: str = "none") -> None:
+                 compression: str = "none", average_every: int = 1) -> None:
         if in_flight < 1:
             raise ValueError(f"in_flight must be at least 1, got {in_flight}")
+        if average_every < 1:
+            raise ValueError(f"average_every must be at least 1, got {average_every}")
+        self.average_every = average_every  # replicas of a stage average their weights every this many steps
         if not swarm.initial_peers:
             raise ValueError("GraphTrainer needs initial_peers: the line `swarm dht` printed")
         self.spec, self.swarm, self.optim = spec, swarm, dict(optim or {})
@@ -103,7 +119,8 @@ class GraphTrainer:
         self.input_name, self.output_name = self.graph.inputs[0], self.graph.outputs[0]
         self.kind = get_architecture(spec.arch).kind
         self.shared: list[dict[int, str]] = []
-        self.stages: list[GraphStagePeer] = []
+        self.stages: list[GraphStagePeer] = []  # the first replica of each stage
+        self.replicas: list[list[GraphStagePeer]] = []  # every replica of each stage, the first first
         self.step = 0
         self.identity = load_identity(swarm)
         self.admission = load_admission(swarm, self.identity)
@@ -146,6 +163,10 @@ class GraphTrainer:
             self._loop.run(self._find(), timeout=self.wait_peers + self.timeout)
         return self._loop.run(self._fetch_state(), timeout=self.timeout * (len(self.stages) + 1))
 
+    def fetch_replica_state(self, stage: GraphStagePeer) -> dict[str, torch.Tensor]:
+        """One replica's parameters and buffers (a stage of ``self.replicas``), by the model's keys."""
+        return self._loop.run(self._fetch_state([stage]), timeout=2 * self.timeout)
+
     def stream(self, peer_id: str) -> PeerStream:
         """The trainer's encrypted stream to ``peer_id`` (for hand-made requests)."""
         return self._loop.run(self.links.get(peer_id), timeout=self.timeout)
@@ -183,20 +204,34 @@ class GraphTrainer:
                     raise
                 await asyncio.sleep(0.5)
         self.shared = shared_parameters(self.graph, [s for _, s, _ in chain[1:]])  # tied weights across stages
-        self.stages = [GraphStagePeer(peer, a, b, self.graph.specs(self.graph.crossing(a)),
-                                      self.graph.specs(self.graph.crossing(b))) for peer, a, b in chain]
-        logger.info("Graph %s: stages %s", self.model_name, " ".join(f"{s.start}:{s.end}" for s in self.stages))
+        peers = stage_replicas(list(records), chain) if not self.shared else [[peer] for peer, _, _ in chain]
+        self.replicas = [[GraphStagePeer(peer, a, b, self.graph.specs(self.graph.crossing(a)),
+                                         self.graph.specs(self.graph.crossing(b))) for peer in group]
+                         for group, (_, a, b) in zip(peers, chain, strict=True)]
+        self.stages = [group[0] for group in self.replicas]
+        logger.info("Graph %s: stages %s", self.model_name, " ".join(
+            f"{s.start}:{s.end}" + (f"x{len(g)}" if len(g) > 1 else "") for s, g in zip(self.stages, self.replicas,
+                                                                                      strict=True)))
 
     async def _start(self) -> None:
         await self._find()
-        streams = [await self.links.get(s.peer_id) for s in self.stages]
-        replies = await asyncio.gather(*(
-            stream.call(GraphOpen(run_id=self.run_id, arch=self.graph.arch, graph_hash=self.graph_hash,
-                                  start=s.start, end=s.end, optim=self.optim, shared=self._held().get(i, []),
-                                  checkpoint_every=self.checkpoint_every),
-                        None, self.timeout)
-            for i, (s, stream) in enumerate(zip(self.stages, streams, strict=True))))
-        steps = {reply.step for reply, _ in replies}
+        held = self._held()
+
+        async def open_on(i: int, s: GraphStagePeer, source: str) -> int:
+            group = [r.peer_id for r in self.replicas[i]]
+            stream = await self.links.get(s.peer_id)
+            reply, _ = await stream.call(GraphOpen(
+                run_id=self.run_id, arch=self.graph.arch, graph_hash=self.graph_hash, start=s.start, end=s.end,
+                optim=self.optim, shared=held.get(i, []), checkpoint_every=self.checkpoint_every,
+                replicas=[p for p in group if p != s.peer_id], average_every=self.average_every, source=source),
+                None, self.timeout)
+            return reply.step
+
+        # the first replicas first: the others copy their weights when the run is new to them
+        firsts = await asyncio.gather(*(open_on(i, group[0], "") for i, group in enumerate(self.replicas)))
+        others = await asyncio.gather(*(open_on(i, r, group[0].peer_id) for i, group in enumerate(self.replicas)
+                                        for r in group[1:]))
+        steps = {*firsts, *others}
         if len(steps) != 1:
             raise RuntimeError(f"the stages of run {self.run_id!r} are at different steps {sorted(steps)}: restart "
                                f"them from the same state")
@@ -215,18 +250,24 @@ class GraphTrainer:
         return acts[self.output_name]
 
     async def _train_step(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-        m, stages = len(micro), self.stages
-        streams = [await self.links.get(s.peer_id) for s in stages]
+        m, replicas = len(micro), self.replicas
+        most = max(len(group) for group in replicas)
+        if m < most:
+            raise ValueError(f"a step needs at least as many micro-batches as a stage has replicas ({most}), got {m}")
+        streams = [[await self.links.get(r.peer_id) for r in group] for group in replicas]
+        shares = [[len(range(r, m, len(group))) for r in range(len(group))] for group in replicas]
         slots = asyncio.Semaphore(self.in_flight)
-        fwd = [[asyncio.Event() for _ in range(m)] for _ in stages]  # fwd[s][i]: micro i's forward queued at s
-        bwd = [[asyncio.Event() for _ in range(m)] for _ in stages]
+        fwd = [[asyncio.Event() for _ in range(m)] for _ in replicas]  # fwd[s][i]: micro i's forward queued at s
+        bwd = [[asyncio.Event() for _ in range(m)] for _ in replicas]
         step = self.step
 
         async def one(i: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             micro_id = f"{step}.{i}"
             async with slots:
                 acts: dict[str, torch.Tensor] = {self.input_name: x}
-                for k, (s, stream) in enumerate(zip(stages, streams, strict=True)):
+                route = [i % len(group) for group in replicas]  # micro-batch i's replica of each stage
+                for k, group in enumerate(replicas):
+                    s, stream = group[route[k]], streams[k][route[k]]
                     if i:
                         await fwd[k][i - 1].wait()
                     request = GraphForward(arch=self.graph.arch, graph_hash=self.graph_hash, start=s.start,
@@ -243,8 +284,11 @@ class GraphTrainer:
                 (ce / m).backward()
                 assert logits.grad is not None
                 grads: dict[str, torch.Tensor] = {self.output_name: logits.grad}
-                for k in reversed(range(len(stages))):
-                    s, stream = stages[k], streams[k]
+                for k in reversed(range(len(replicas))):
+                    s, stream = replicas[k][route[k]], streams[k][route[k]]
+                    scale = m / shares[k][route[k]]  # the replica's own mean (1 without replicas)
+                    if scale != 1:
+                        grads = {name: g * scale if g.is_floating_point() else g for name, g in grads.items()}
                     if i:
                         await bwd[k][i - 1].wait()
                     back = GraphBackward(run_id=self.run_id, micro_id=micro_id, graph_hash=self.graph_hash,
@@ -254,6 +298,8 @@ class GraphTrainer:
                     bwd[k][i].set()
                     _, got = await reply
                     grads = got or {}
+                    if scale != 1:
+                        grads = {name: g / scale if g.is_floating_point() else g for name, g in grads.items()}
                 return ce.detach()
 
         tasks = [asyncio.ensure_future(one(i, x, y)) for i, (x, y) in enumerate(micro)]
@@ -263,12 +309,14 @@ class GraphTrainer:
             for task in tasks:
                 task.cancel()
             raise
-        payloads = await self._shared_grads(streams, m)
+        payloads = await self._shared_grads([group[0] for group in streams], m)  # (tied weights: one replica)
         replies = await asyncio.gather(*(
             stream.submit_bundle(GraphApply(run_id=self.run_id, micro_batches=m, shared=list(payload)), payload,
                                  self._param_specs(list(payload)), (), self.graph_hash, self.timeout)
-            if payload else stream.call(GraphApply(run_id=self.run_id, micro_batches=m), None, self.timeout)
-            for stream, payload in zip(streams, payloads, strict=True)))
+            if payload else stream.call(GraphApply(run_id=self.run_id, micro_batches=shares[k][r]), None,
+                                        self.timeout)
+            for k, (group, payload) in enumerate(zip(streams, payloads, strict=True))
+            for r, stream in enumerate(group)))
         self.step = max(reply.step for reply, _ in replies)
         return list(losses)
 
@@ -315,9 +363,9 @@ class GraphTrainer:
                 payloads[i][name] = total
         return payloads
 
-    async def _fetch_state(self) -> dict[str, torch.Tensor]:
+    async def _fetch_state(self, stages: Sequence[GraphStagePeer] | None = None) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = {}
-        for s in self.stages:
+        for s in self.stages if stages is None else stages:
             module = GraphStage(self.graph, s.start, s.end, own=False).module
             specs = [EdgeSpec(k, tuple(v.shape), v.dtype) for k, v in module.state_dict().items()]
             stream = await self.links.get(s.peer_id)

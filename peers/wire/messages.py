@@ -311,6 +311,12 @@ class GraphOpen(Message):
     # (``GraphGrads``), so that the trainer adds the holders' parts in one process's order
     shared: list[str] = dataclasses.field(default_factory=list)
     checkpoint_every: int = 0  # a stage with a --checkpoint_dir saves the run every this many steps (0: never)
+    # the run's other peers serving the same nodes (replicas): they average parameters and float buffers with this
+    # one every ``average_every`` steps (``ParamsPush``, as transformer replicas do); ``source``: a replica whose
+    # current weights this one copies when the run is new here, so that the replicas start equal
+    replicas: list[str] = dataclasses.field(default_factory=list)
+    average_every: int = 1
+    source: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

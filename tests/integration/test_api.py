@@ -73,6 +73,7 @@ def served(llama_swarm, llama_dir) -> Iterator[tuple[str, str, str]]:
                                    capture_output=True, text=True, timeout=120)
         assert generated.returncode == 0, generated.stderr
         assert generated.stdout.startswith(PROMPT) and generated.stdout.endswith("\n")
+        assert generated.stdout[len(PROMPT):-1].strip(), "swarm generate added no text: every comparison would pass"
         printed = read_line(api, 120)
         while "/metrics" not in printed:  # the metrics line comes right after the API's
             printed += read_line(api, 30)

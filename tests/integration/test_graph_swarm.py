@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -20,7 +21,7 @@ from peers.model.graph.swarm_graph import GraphSpec
 from peers.model.graph.trace import EdgeSpec
 from peers.trainer.graph_trainer import GraphTrainer
 from peers.wire.errors import RequestError
-from peers.wire.messages import GraphApply, GraphForward, GraphOpen
+from peers.wire.messages import GraphApply, GraphForward, GraphOpen, ParamsPush
 
 SPEC = GraphSpec("resnet50", {"num_classes": 10}, {"batch": 2, "image_size": 32})
 FLAGS = ["--graph_config", "num_classes=10", "--graph_inputs", "batch=2,image_size=32"]
@@ -225,6 +226,69 @@ def test_a_restarted_stage_resumes_from_its_checkpoint(graph_swarm, one_thread):
         assert all(torch.equal(a, b) for a, b in zip(losses, expected, strict=True)), (losses, expected)
         state = run.fetch_state()
     assert all(torch.equal(state[k], v) for k, v in reference.state_dict().items())
+
+
+def test_replicas_of_a_stage_share_its_micro_batches_and_average(graph_swarm, one_thread):
+    """Protects graph replicas (``peers.server.graph_replicas``): a second peer serving the middle nodes joins a new
+    run as a replica, copies the first replica's weights, takes every other micro-batch (its gradient scaled to its
+    own mean) and the two average their weights after every step. With each step's two micro-batches equal, that is
+    one process's step exactly: losses and every parameter equal bit for bit (not the replicated stage's BatchNorm
+    statistics: each replica ran one of the two forwards). With different micro-batches the replicas stay
+    bit-identical. Bad replica settings and a push from a stranger are refused and change nothing. (After the
+    restart test: it adds a peer.)"""
+    swarm, _ = graph_swarm
+    middle = next(p for p in swarm.processes if p.name.startswith("graph1"))
+    swarm.start_graph_peer("resnet50", nodes="{}:{}".format(*middle.blocks), extra=FLAGS, name="graph1-replica")
+    with GraphTrainer(SPEC, swarm.trainer_config(), optim=OPTIM, run_id="graph-replicas", in_flight=2,
+                      request_timeout=30) as run:
+        deadline = time.monotonic() + 30
+        run.start()
+        while len(run.replicas[1]) < 2 and time.monotonic() < deadline:  # until the new peer's record is seen
+            time.sleep(1)
+            run.start()
+        assert [len(group) for group in run.replicas] == [1, 2, 1]
+        first, second = run.replicas[1]
+        copied = run.fetch_replica_state(second)
+        assert all(torch.equal(copied[k], v) for k, v in run.fetch_replica_state(first).items()), "not copied"
+        reference = _reference(run).train()
+        optimizer = torch.optim.AdamW(reference.parameters(), **OPTIM)  # type: ignore[arg-type]
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(2):
+            x, y = torch.randn(2, 3, 32, 32, generator=gen), torch.randint(0, 10, (2,), generator=gen)
+            losses = run.train_step([(x, y), (x, y)])
+            expected = _reference_step(reference, optimizer, [(x, y), (x, y)])
+            assert all(torch.equal(a, b) for a, b in zip(losses, expected, strict=True)), (losses, expected)
+        params = {k: v.detach() for k, v in reference.named_parameters()}
+        state = run.fetch_state()
+        assert all(torch.equal(state[k], v) for k, v in params.items())
+        second_state = run.fetch_replica_state(second)
+        assert all(torch.equal(second_state[k], params[k]) for k in second_state if k in params)
+
+        stream = run.stream(second.peer_id)
+
+        def open_second(**changes):
+            request = dict(run_id="graph-replicas", arch="resnet50", graph_hash=run.graph_hash, start=second.start,
+                           end=second.end, optim=OPTIM, replicas=[first.peer_id], source="")
+            return run.run(stream.call(GraphOpen(**{**request, **changes}), None, 30))
+
+        with pytest.raises(RequestError, match="source of the weights .* must be another replica"):
+            open_second(source=run.stages[0].peer_id)
+        with pytest.raises(RequestError, match="average_every must be in"):
+            open_second(average_every=0)
+        with pytest.raises(RequestError, match="is not a replica of this span"):
+            run.run(stream.call(ParamsPush(run_id="graph-replicas", round=2), torch.zeros(copied_size(copied)), 30))
+        gen = torch.Generator().manual_seed(3)
+        run.train_step([(torch.randn(2, 3, 32, 32, generator=gen), torch.randint(0, 10, (2,), generator=gen))
+                        for _ in range(2)])
+        assert run.step == 3
+        a, b = run.fetch_replica_state(first), run.fetch_replica_state(second)
+    assert all(torch.equal(a[k], b[k]) for k in a if a[k].is_floating_point()), "the replicas drifted apart"
+    assert any(not torch.equal(a[k], params[k]) for k in a if k in params), "the third step changed nothing"
+
+
+def copied_size(state: dict[str, torch.Tensor]) -> int:
+    """Values a replica of this stage averages: its parameters and floating-point buffers."""
+    return sum(v.numel() for v in state.values() if v.is_floating_point())
 
 
 @pytest.fixture(scope="module")

@@ -224,6 +224,13 @@ AB_RTT_ONLY = LinkRow(pid("B"), 0.0, 0.004, 1.0, "passive")
         ("Z", "B", [record("Z", (LinkRow(pid("B"), 1.0, 1.0, 1.0),))], "B",
          LinkEstimate(8e6, 0.5, 0.0, "probe", probed=8e6)),
         ("B", "Z", [], "B", LinkEstimate(8e6, 0.5, 0.0, "probe", reverse=True, probed=8e6)),
+        # a link taken as symmetric is no faster than the fastest link its sender measured out of it (an upload)
+        ("B", "A", [record("A", (AB,)), record("B", (LinkRow(pid("C"), 2e7, 0.01, 1.0, "probe"),))], None,
+         LinkEstimate(2e7, 0.004, 12.0, "probe", reverse=True)),
+        ("B", "A", [record("A", (AB,)), record("B", (LinkRow(pid("C"), 3e8, 0.01, 1.0, "probe"),))], None,
+         LinkEstimate(1e8, 0.004, 12.0, "probe", reverse=True)),  # a faster upload: the measured rate stands
+        ("B", "Z", [record("B", (LinkRow(pid("C"), 2e6, 0.01, 1.0, "probe"), AB_RTT_ONLY))], "B",
+         LinkEstimate(2e6, 0.5, 0.0, "probe", reverse=True, probed=2e6)),
     ],
 )
 def test_link_between(a, b, records, local, expected):
