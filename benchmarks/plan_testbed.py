@@ -2,7 +2,7 @@
 
     sudo python benchmarks/plan_testbed.py [--matrices three_sites,homes]
                                            [--arrangements random,least_served,plan,plan_live]
-                                           [--steps 6] [--repeats 1] [--seed 0] [--no_churn] [--quick] [--out FILE]
+                                           [--steps 20] [--repeats 3] [--seed 0] [--no_churn] [--quick] [--out FILE]
 
 A testbed (``swarm.testbed``, root needed) of 12 hosts: h0 the bootstrap peer, h1 the trainer
 (benchmarks/plan_testbed_worker.py), h2..h11 ten stage peers of a tiny Llama (hidden 64, 9 blocks, fp32; one torch
@@ -456,8 +456,11 @@ def main() -> None:
     parser.add_argument("--matrices", default="three_sites,homes", help=f"comma-separated: {', '.join(MATRIX_CHOICES)}")
     parser.add_argument("--arrangements", default=None,
                         help=f"comma-separated: {', '.join(ARRANGEMENTS)} (default: all; quick: plan)")
-    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 6; quick 2)")
-    parser.add_argument("--repeats", type=int, default=1, help="runs of each arrangement, interleaved")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="training steps per run (default 20: the first is left out, a slow second weighs "
+                             "little; quick 2)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="runs of each arrangement, interleaved (default 3; quick 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random arrangement")
     parser.add_argument("--no_churn", dest="churn", action="store_false",
                         help="plan_live on three_sites: no stage kill and newcomer in its last run")
@@ -476,12 +479,13 @@ def main() -> None:
         parser.error(f"--matrices: choose from {', '.join(MATRIX_CHOICES)}")
     if not args.arrangements or any(a not in ARRANGEMENTS for a in args.arrangements):
         parser.error(f"--arrangements: choose from {', '.join(ARRANGEMENTS)}")
+    args.repeats = args.repeats or (1 if args.quick else 3)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     reason = require_root()
     if reason:
         sys.exit(f"plan_testbed.py needs a testbed: {reason}")
-    args.steps = args.steps or (2 if args.quick else 6)
+    args.steps = args.steps or (2 if args.quick else 20)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="fusionswarm-plan-"))
     model_dir = make_tiny_model(workdir / "llama-plan", seed=0, **MODEL)
     t0 = time.perf_counter()
