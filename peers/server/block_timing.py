@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from peers.model import load_blocks
 from swarm.measure import Compute, time_per_call
 
 MEASURE_TOKENS = 128  # tokens per measured forward of one block
@@ -13,6 +14,13 @@ def compute_key(config, device: torch.device | str, dtype: torch.dtype | str) ->
     """The key a peer caches its block timing under (``swarm.measure.cached_compute``): model shape, device, dtype."""
     return (f"{config.family}-h{config.hidden_size}-i{config.intermediate_size}-kv{config.num_kv_heads}"
             f"-{device}-{dtype}")
+
+
+def measure_loaded_block(model_dir, hidden_size: int, device: torch.device, dtype: torch.dtype) -> Compute:
+    """``measure_block`` on block 0 loaded anew from ``model_dir`` (freed after): a timing that touches none of the
+    blocks a peer serves (a backup has none; an idle re-timing must not change them)."""
+    blocks = load_blocks(model_dir, 0, 1, device=device, dtype=dtype)
+    return measure_block(blocks[0], hidden_size, device, dtype)
 
 
 def measure_block(block, hidden_size: int, device: torch.device, dtype: torch.dtype,

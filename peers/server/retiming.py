@@ -88,23 +88,19 @@ class Retimer:
                                type(e).__name__, e)
 
 
-def start_retiming(server, compute: Compute, key: str) -> tuple[asyncio.Task, IdleClock] | None:
-    """The retiming task of a ``StageServer`` that timed its block as ``compute`` (cached under ``key``), and the
-    idle clock it reads (close it when the task ends); None if ``--retime_every`` is 0."""
-    from peers.model import load_blocks
-    from peers.server.block_timing import measure_block
+def start_retiming(server, compute: Compute, key: str) -> asyncio.Task | None:
+    """The retiming task of a ``StageServer`` that timed its block as ``compute`` (cached under ``key``); None if
+    ``--retime_every`` is 0. Cancel it to stop."""
+    from peers.server.block_timing import measure_loaded_block
     from swarm.measure import store_compute
 
     config = server.config
     if config.retime_every <= 0:
         return None
 
-    def timed() -> Compute:
-        blocks = load_blocks(config.model_dir, 0, 1, device=server.device, dtype=server.dtype)
-        return measure_block(blocks[0], server.model_config.hidden_size, server.device, server.dtype)
-
     async def measure() -> Compute:
-        return await asyncio.to_thread(timed)
+        return await asyncio.to_thread(measure_loaded_block, config.model_dir, server.model_config.hidden_size,
+                                       server.device, server.dtype)
 
     def adopt(new: Compute) -> None:
         server.throughput = 1.0 / new.forward
@@ -112,7 +108,12 @@ def start_retiming(server, compute: Compute, key: str) -> tuple[asyncio.Task, Id
         server.announcer.update(throughput=server.throughput, forward_seconds=new.forward,
                                 backward_seconds=new.backward)
 
-    clock = IdleClock()
-    retimer = Retimer(compute, measure, adopt, clock.idle_for, every=config.retime_every,
-                      idle_s=min(IDLE_S, config.retime_every))
-    return asyncio.create_task(retimer.run()), clock
+    async def run() -> None:
+        clock = IdleClock()
+        try:
+            await Retimer(compute, measure, adopt, clock.idle_for, every=config.retime_every,
+                          idle_s=min(IDLE_S, config.retime_every)).run()
+        finally:
+            clock.close()
+
+    return asyncio.create_task(run())

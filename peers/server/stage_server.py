@@ -35,7 +35,7 @@ from peers.core.progress import load_progress
 from peers.model import ModelConfig, StageBlocks, load_blocks
 from peers.server.adapter_runs import AdapterRuns
 from peers.server.backend import StageBackend
-from peers.server.block_timing import compute_key, measure_block
+from peers.server.block_timing import compute_key, measure_block, measure_loaded_block
 from peers.server.chain_calls import ChainCalls
 from peers.server.control import close_control, serve_control
 from peers.server.handler import StageHandler
@@ -207,9 +207,8 @@ class StageServer:
                 probing.cancel()
                 await asyncio.gather(probing, return_exceptions=True)
             if retiming is not None:
-                retiming[0].cancel()
-                await asyncio.gather(retiming[0], return_exceptions=True)
-                retiming[1].close()
+                retiming.cancel()
+                await asyncio.gather(retiming, return_exceptions=True)
             if self.announcer is not None:
                 await _quietly(self.announcer.stop(PeerState.OFFLINE), "announce offline")
             if handler is not None:
@@ -478,9 +477,9 @@ class StageServer:
         def measure() -> Compute:
             logger.info("Measuring the forward and backward compute of one block (cached in %s)",
                         self.config.cache_dir)
-            measured = blocks if blocks is not None else load_blocks(self.config.model_dir, 0, 1, device=self.device,
-                                                                     dtype=self.dtype)
-            return measure_block(measured[0], cfg.hidden_size, self.device, self.dtype)
+            if blocks is None:
+                return measure_loaded_block(self.config.model_dir, cfg.hidden_size, self.device, self.dtype)
+            return measure_block(blocks[0], cfg.hidden_size, self.device, self.dtype)
 
         t0 = time.perf_counter()
         value = cached_compute(self.config.cache_dir, key, measure)
